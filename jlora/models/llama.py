@@ -1,0 +1,228 @@
+"""A Llama-family decoder in Flax NNX with multi-slot LoRA on every linear layer.
+
+Weights live in the NNX module; adapter weights do not. They arrive per call as `lora_state`
+(see DESIGN.md): for each target module `{"A": [L, N, in, R], "B": [L, N, R, out]}`, with the
+PEFT scale already folded into B. Each token reads its own slot via `slot_ids`; -1 reads none.
+
+The KV cache is one region per sequence row: per layer `k, v: [Bc, S, KVH, Dh]`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jlora.kernels import lora_delta
+from jlora.models.config import LlamaConfig
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+KVCache = list  # per layer {"k": [Bc, S, KVH, Dh], "v": [Bc, S, KVH, Dh]}
+LoRAState = dict  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}
+
+
+# ---- rotary embeddings ------------------------------------------------------------------------
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:  # f32[Dh/2]
+    dh = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dh, 2, dtype=np.float64) / dh))
+    s = cfg.rope_scaling_dict
+    if s is not None:  # Llama 3: stretch low frequencies, keep high ones, blend in between
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old_len / lo, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        inv = np.where(is_mid, mid, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(
+    x: jax.Array,  # [B, T, H, Dh]
+    positions: jax.Array,  # i32[B, T]
+    inv_freq: jax.Array,  # f32[Dh/2]
+) -> jax.Array:  # [B, T, H, Dh]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # HF's rotate_half layout
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ---- layers -----------------------------------------------------------------------------------
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: Any):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., D]
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class LoRALinear(nnx.Module):
+    """y = x @ W + (per-token slot's) x @ A @ B. W is [in, out]; adapters come per call."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: Any, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(stddev=0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), dtype))
+
+    def __call__(
+        self,
+        x: jax.Array,  # [B, T, in]
+        lora: dict[str, jax.Array] | None,  # {"A": [N, in, R], "B": [N, R, out]} or None
+        slot_ids: jax.Array,  # i32[B*T]
+        lora_impl: str,
+    ) -> jax.Array:  # [B, T, out]
+        y = x @ self.kernel[...]
+        if lora is None:
+            return y
+        bsz, t, d = x.shape
+        delta = lora_delta(x.reshape(bsz * t, d), lora["A"], lora["B"], slot_ids, impl=lora_impl)
+        return y + delta.reshape(bsz, t, -1).astype(y.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: Any, rngs: nnx.Rngs):
+        d, h, kvh, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = LoRALinear(d, h * dh, dtype, rngs)
+        self.k_proj = LoRALinear(d, kvh * dh, dtype, rngs)
+        self.v_proj = LoRALinear(d, kvh * dh, dtype, rngs)
+        self.o_proj = LoRALinear(h * dh, d, dtype, rngs)
+        self.h, self.kvh, self.dh = h, kvh, dh
+
+    def __call__(self, x, positions, cache, lora, slot_ids, inv_freq, span, lora_impl):
+        """x [B, T, D], positions i32[B, T] (-1 = padding), cache {"k","v": [B, S, KVH, Dh]}."""
+        bsz, t, _ = x.shape
+        get = lambda name: lora.get(name) if lora else None  # noqa: E731
+        q = self.q_proj(x, get("q_proj"), slot_ids, lora_impl).reshape(bsz, t, self.h, self.dh)
+        k = self.k_proj(x, get("k_proj"), slot_ids, lora_impl).reshape(bsz, t, self.kvh, self.dh)
+        v = self.v_proj(x, get("v_proj"), slot_ids, lora_impl).reshape(bsz, t, self.kvh, self.dh)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+
+        # Write new keys/values at their positions; padding (position -1) goes out of range and is dropped.
+        s_max = cache["k"].shape[1]
+        write_pos = jnp.where(positions >= 0, positions, s_max)
+        rows = jnp.broadcast_to(jnp.arange(bsz)[:, None], (bsz, t))
+        k_cache = cache["k"].at[rows, write_pos].set(k.astype(cache["k"].dtype), mode="drop")
+        v_cache = cache["v"].at[rows, write_pos].set(v.astype(cache["v"].dtype), mode="drop")
+
+        # Attend to the first `span` cache positions (a static bucket), causally.
+        keys, values = k_cache[:, :span], v_cache[:, :span]  # [B, span, KVH, Dh]
+        g = self.h // self.kvh
+        qg = q.reshape(bsz, t, self.kvh, g, self.dh)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(self.dh)
+        key_pos = jnp.arange(span)
+        allowed = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, span]
+        scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
+        out = out.reshape(bsz, t, self.h * self.dh).astype(x.dtype)
+        return self.o_proj(out, get("o_proj"), slot_ids, lora_impl), {"k": k_cache, "v": v_cache}
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: Any, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = LoRALinear(d, f, dtype, rngs)
+        self.up_proj = LoRALinear(d, f, dtype, rngs)
+        self.down_proj = LoRALinear(f, d, dtype, rngs)
+
+    def __call__(self, x, lora, slot_ids, lora_impl):
+        get = lambda name: lora.get(name) if lora else None  # noqa: E731
+        gate = self.gate_proj(x, get("gate_proj"), slot_ids, lora_impl)
+        up = self.up_proj(x, get("up_proj"), slot_ids, lora_impl)
+        return self.down_proj(jax.nn.silu(gate) * up, get("down_proj"), slot_ids, lora_impl)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype: Any, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, positions, cache, lora, slot_ids, inv_freq, span, lora_impl):
+        h, cache = self.self_attn(self.input_layernorm(x), positions, cache, lora, slot_ids, inv_freq, span, lora_impl)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x), lora, slot_ids, lora_impl)
+        return x, cache
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = nnx.Param(
+            nnx.initializers.normal(stddev=0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(
+                nnx.initializers.normal(stddev=0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # a constant, not a trainable Param
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # i32[B, T]
+        positions: jax.Array,  # i32[B, T], -1 = padding
+        cache: KVCache,  # per layer {"k","v": [B, S, KVH, Dh]}
+        lora_state: LoRAState | None = None,  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}
+        seq_slot_ids: jax.Array | None = None,  # i32[B], -1 = base model
+        logits_index: jax.Array | None = None,  # i32[B]: which token of each row to produce logits for
+        *,
+        span: int | None = None,
+        lora_impl: str = "auto",
+    ) -> tuple[jax.Array, KVCache]:  # logits f32[B, V] (or [B, T, V] without logits_index), new cache
+        bsz, t = tokens.shape
+        span = span or cache[0]["k"].shape[1]
+        if seq_slot_ids is None:
+            seq_slot_ids = jnp.full((bsz,), -1, jnp.int32)
+        # Padding tokens must never read a real slot.
+        slot_ids = jnp.where(positions >= 0, seq_slot_ids[:, None], -1).reshape(bsz * t)
+        x = self.embed_tokens[...][tokens]
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            lora = None
+            if lora_state:
+                lora = {m: {"A": s["A"][i], "B": s["B"][i]} for m, s in lora_state.items()}
+            x, c = layer(x, positions, cache[i], lora, slot_ids, self.inv_freq[...], span, lora_impl)
+            new_cache.append(c)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
+        x = self.norm(x)
+        head = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        return logits, new_cache
+
+
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
+    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_hidden_layers)]
+
+
+def init_lora_state(
+    cfg: LlamaConfig, max_loras: int, max_rank: int, dtype: Any = jnp.float32,
+    modules: tuple[str, ...] = LORA_MODULES,
+) -> LoRAState:
+    shapes = cfg.module_shapes()
+    L = cfg.num_hidden_layers
+    return {
+        m: {"A": jnp.zeros((L, max_loras, shapes[m][0], max_rank), dtype),
+            "B": jnp.zeros((L, max_loras, max_rank, shapes[m][1]), dtype)}
+        for m in modules
+    }

