@@ -102,8 +102,9 @@ class Attention(nnx.Module):
         self.o_proj = LoRALinear(h * dh, d, dtype, rngs)
         self.h, self.kvh, self.dh = h, kvh, dh
 
-    def __call__(self, x, positions, cache, lora, slot_ids, inv_freq, span, lora_impl):
-        """x [B, T, D], positions i32[B, T] (-1 = padding), cache {"k","v": [B, S, KVH, Dh]}."""
+    def __call__(self, x, positions, cache, rows, lora, slot_ids, inv_freq, span, lora_impl):
+        """x [B, T, D], positions i32[B, T] (-1 = padding), cache {"k","v": [Bc, S, KVH, Dh]},
+        rows i32[B]: each sequence's cache row, or None when sequence b sits in row b."""
         bsz, t, _ = x.shape
         get = lambda name: lora.get(name) if lora else None  # noqa: E731
         q = self.q_proj(x, get("q_proj"), slot_ids, lora_impl).reshape(bsz, t, self.h, self.dh)
@@ -115,12 +116,16 @@ class Attention(nnx.Module):
         # Write new keys/values at their positions; padding (position -1) goes out of range and is dropped.
         s_max = cache["k"].shape[1]
         write_pos = jnp.where(positions >= 0, positions, s_max)
-        rows = jnp.broadcast_to(jnp.arange(bsz)[:, None], (bsz, t))
-        k_cache = cache["k"].at[rows, write_pos].set(k.astype(cache["k"].dtype), mode="drop")
-        v_cache = cache["v"].at[rows, write_pos].set(v.astype(cache["v"].dtype), mode="drop")
+        row_of = jnp.arange(bsz) if rows is None else rows
+        row_idx = jnp.broadcast_to(row_of[:, None], (bsz, t))
+        k_cache = cache["k"].at[row_idx, write_pos].set(k.astype(cache["k"].dtype), mode="drop")
+        v_cache = cache["v"].at[row_idx, write_pos].set(v.astype(cache["v"].dtype), mode="drop")
 
         # Attend to the first `span` cache positions (a static bucket), causally.
-        keys, values = k_cache[:, :span], v_cache[:, :span]  # [B, span, KVH, Dh]
+        if rows is None:  # sequence b sits in row b: a static slice, no gather
+            keys, values = k_cache[:bsz, :span], v_cache[:bsz, :span]  # [B, span, KVH, Dh]
+        else:
+            keys, values = k_cache[rows, :span], v_cache[rows, :span]
         g = self.h // self.kvh
         qg = q.reshape(bsz, t, self.kvh, g, self.dh)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
@@ -155,8 +160,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, cache, lora, slot_ids, inv_freq, span, lora_impl):
-        h, cache = self.self_attn(self.input_layernorm(x), positions, cache, lora, slot_ids, inv_freq, span, lora_impl)
+    def __call__(self, x, positions, cache, rows, lora, slot_ids, inv_freq, span, lora_impl):
+        h, cache = self.self_attn(
+            self.input_layernorm(x), positions, cache, rows, lora, slot_ids, inv_freq, span, lora_impl)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x), lora, slot_ids, lora_impl)
         return x, cache
@@ -184,6 +190,7 @@ class Llama(nnx.Module):
         lora_state: LoRAState | None = None,  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}
         seq_slot_ids: jax.Array | None = None,  # i32[B], -1 = base model
         logits_index: jax.Array | None = None,  # i32[B]: which token of each row to produce logits for
+        cache_rows: jax.Array | None = None,  # i32[B]: cache row per sequence; None = row b for sequence b
         *,
         span: int | None = None,
         lora_impl: str = "auto",
@@ -200,7 +207,7 @@ class Llama(nnx.Module):
             lora = None
             if lora_state:
                 lora = {m: {"A": s["A"][i], "B": s["B"][i]} for m, s in lora_state.items()}
-            x, c = layer(x, positions, cache[i], lora, slot_ids, self.inv_freq[...], span, lora_impl)
+            x, c = layer(x, positions, cache[i], cache_rows, lora, slot_ids, self.inv_freq[...], span, lora_impl)
             new_cache.append(c)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]

@@ -173,10 +173,10 @@ def build_model(cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = j
         if name not in tensors:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
         arr = tensors[name].T if transpose else tensors[name]
-        expected = flat[path].value.shape
+        expected = flat[path].get_value().shape
         if arr.shape != tuple(expected):
             raise ValueError(f"tensor {name!r} has shape {tensors[name].shape}, expected {expected} (after transpose={transpose})")
-        flat[path].value = jnp.asarray(arr, dtype=dtype)
+        flat[path].set_value(jnp.asarray(arr, dtype=dtype))
     nnx.update(model, nnx.from_flat_state(flat))
     # eval_shape left the rotary constant abstract; recompute it concretely.
     from jlora.models.llama import rope_inv_freq
@@ -222,10 +222,7 @@ def restore_model(path: str | Path, dtype: Any = jnp.float32) -> Llama:
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    raw = json.loads((path / "jlora_model.json").read_text())
-    if raw.get("rope_scaling"):
-        raw["rope_scaling"] = tuple(tuple(kv) for kv in raw["rope_scaling"])
-    cfg = LlamaConfig(**raw)
+    cfg = read_model_config(path)
     model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     abstract = nnx.state(model, nnx.Param)
     with ocp.StandardCheckpointer() as ckpt:
@@ -234,3 +231,22 @@ def restore_model(path: str | Path, dtype: Any = jnp.float32) -> Llama:
     from jlora.models.llama import rope_inv_freq
     model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
     return model
+
+
+def read_model_config(model: str | Path | None = None) -> LlamaConfig:
+    """The model's config without reading (or dequantizing) its weights."""
+    path = resolve_model_path(model)
+    if path.is_file():
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        fields = {k: _gguf_field_value(f) for k, f in reader.fields.items()}
+        names = {t.name: t for t in reader.tensors}
+        vocab = int(names["token_embd.weight"].shape[-1])
+        return LlamaConfig.from_gguf_fields(fields, vocab_size=vocab, tied="output.weight" not in names)
+    if (path / "jlora_model.json").is_file():
+        raw = json.loads((path / "jlora_model.json").read_text())
+        if raw.get("rope_scaling"):
+            raw["rope_scaling"] = tuple(tuple(kv) for kv in raw["rope_scaling"])
+        return LlamaConfig(**raw)
+    return LlamaConfig.from_json_file(path / "config.json")

@@ -1,0 +1,564 @@
+"""PEFT LoRA adapters -> jlora's layout: per module A f32[L, in, r], B f32[L, r, out], scale in B.
+
+A PEFT LoRA directory holds `adapter_config.json` and `adapter_model.safetensors` (or the pickled
+`adapter_model.bin`). Its tensors are named
+`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` `[r, in]` and `...lora_B.weight`
+`[out, r]` (optionally with the adapter name, `lora_A.default.weight`). This module reads them
+through one explicit name pattern, checks every tensor's shape against the base model and the
+config, and reproduces PEFT's scaling exactly:
+
+    scale = alpha / r                (alpha / sqrt(r) with use_rslora)
+    r, alpha per module from rank_pattern / alpha_pattern (peft's `get_pattern_key`)
+    targeted modules from target_modules (list / regex / "all-linear"), exclude_modules,
+    layers_to_transform (+ layers_pattern), as in peft's `check_target_module_exists`.
+
+Layers a module does not target are zeros; modules no layer targets are absent. Where the rank
+differs between layers of one module (rank_pattern naming a single layer), that module's arrays
+have the largest rank and the smaller layers are zero-padded, which is exact.
+
+`fan_in_fan_out` only describes the *base* layer's weight layout (GPT-2's Conv1D); PEFT's
+lora_A/lora_B are always [r, in] / [out, r], and PEFT itself resets the flag for nn.Linear, so it
+changes nothing here.
+
+Anything that changes the math in a way jlora does not implement (DoRA, modules_to_save,
+trainable tokens, biases, embedding / lm_head LoRA, target_parameters, ...) is rejected with a
+ValueError that names the field or tensor.
+
+Converted adapters can be saved with orbax (`save_adapter` / `load_adapter`); `convert` does both
+steps for `jlora convert SRC DST`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from jlora.models.config import LlamaConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+SAFETENSORS_FILE = "adapter_model.safetensors"
+BIN_FILE = "adapter_model.bin"
+JLORA_ADAPTER_META = "jlora_adapter.json"  # marks a directory written by `save_adapter`
+JLORA_ADAPTER_FORMAT = "jlora-lora-adapter"
+JLORA_ADAPTER_VERSION = 1
+
+# Module name -> its parent block in HF Llama naming.
+MODULE_PARENT = {
+    "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+}
+MODULES = tuple(MODULE_PARENT)
+
+# Config fields that change the forward pass in ways jlora does not implement: reject when set.
+_UNSUPPORTED_FIELDS = {
+    "use_dora": "DoRA (weight-decomposed LoRA) is not supported",
+    "modules_to_save": "full trained copies of modules (modules_to_save) are not supported",
+    "trainable_token_indices": "trainable token embeddings are not supported",
+    "lora_bias": "LoRA bias terms (lora_bias=true) are not supported",
+    "target_parameters": "LoRA on raw parameters (target_parameters) is not supported",
+    "layer_replication": "layer replication is not supported",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+    "use_qalora": "QA-LoRA is not supported",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
+    "arrow_config": "Arrow routing (arrow_config) is not supported",
+    "monteclora_config": "MonteCLoRA (monteclora_config) is not supported",
+    "velora_config": "VeLoRA (velora_config) is not supported",
+    "kasa_config": "KaSA (kasa_config) is not supported",
+}
+# init_lora_weights values whose adapters only work on a base model modified by the init itself.
+_BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "lora_ga")
+
+_AB_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+_LAYER_MODULE = re.compile(
+    r"^(?P<prefix>(?:.*\.)?)layers\.(?P<idx>\d+)\."
+    r"(?P<parent>self_attn|mlp)\.(?P<module>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+)
+
+
+# ---- the converted adapter ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LoRAAdapter:
+    """One converted adapter, on the host.
+
+    weights: module -> (A f32[L, in, r_m], B f32[L, r_m, out]) with the PEFT scale folded into B;
+    ranks: module -> r_m (the largest rank of that module over layers). Modules the adapter does
+    not target are absent; layers it does not target are zeros.
+    """
+
+    name: str
+    ranks: dict[str, int]
+    weights: dict[str, tuple[np.ndarray, np.ndarray]]
+    source: str = ""
+
+    @property
+    def rank(self) -> int:
+        """The largest rank over all modules (what must fit `max_lora_rank`)."""
+        return max(self.ranks.values(), default=0)
+
+    @property
+    def num_layers(self) -> int:
+        return next(iter(self.weights.values()))[0].shape[0] if self.weights else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def validate(self, model_cfg: LlamaConfig, max_lora_rank: int | None = None) -> None:
+        """Raise ValueError unless every array fits `model_cfg` and ranks fit `max_lora_rank`."""
+        shapes = model_cfg.module_shapes()
+        L = model_cfg.num_hidden_layers
+        if set(self.ranks) != set(self.weights):
+            raise ValueError(f"adapter {self.name!r}: ranks name modules {sorted(self.ranks)} but weights "
+                             f"name {sorted(self.weights)}")
+        for m, (a, b) in self.weights.items():
+            if m not in shapes:
+                raise ValueError(f"adapter {self.name!r}: unknown module {m!r}; known: {list(shapes)}")
+            d_in, d_out = shapes[m]
+            r = self.ranks[m]
+            if a.shape != (L, d_in, r):
+                raise ValueError(f"adapter {self.name!r}: {m}.A has shape {a.shape}, expected {(L, d_in, r)} "
+                                 f"(layers, in_features, rank) for this base model")
+            if b.shape != (L, r, d_out):
+                raise ValueError(f"adapter {self.name!r}: {m}.B has shape {b.shape}, expected {(L, r, d_out)} "
+                                 f"(layers, rank, out_features) for this base model")
+            if max_lora_rank is not None and r > max_lora_rank:
+                raise ValueError(f"adapter {self.name!r}: module {m} has rank {r}, above max_lora_rank="
+                                 f"{max_lora_rank}")
+
+
+# ---- reading PEFT files -----------------------------------------------------------------------------
+
+
+def read_peft_config(path: str | Path) -> dict[str, Any]:
+    """adapter_config.json as a dict; FileNotFoundError if missing, ValueError if malformed."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"adapter path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"adapter path {str(path)!r} is not a directory (expected a PEFT adapter directory "
+                         f"with {ADAPTER_CONFIG})")
+    cfg_file = path / ADAPTER_CONFIG
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"no {ADAPTER_CONFIG} in adapter directory {str(path)!r}")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"malformed {cfg_file}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"malformed {cfg_file}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def read_peft_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], Path]:
+    """All tensors of adapter_model.safetensors (preferred) or adapter_model.bin, as NumPy f32."""
+    path = Path(path)
+    st, bin_ = path / SAFETENSORS_FILE, path / BIN_FILE
+    if st.is_file():
+        return _read_safetensors(st), st
+    if bin_.is_file():
+        return _read_torch_bin(bin_), bin_
+    raise FileNotFoundError(f"no {SAFETENSORS_FILE} (or {BIN_FILE}) in adapter directory {str(path)!r}")
+
+
+def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    try:
+        out: dict[str, np.ndarray] = {}
+        with safe_open(str(file), framework="numpy") as f:  # validates the header and the file size
+            for k in f.keys():
+                dtype = f.get_slice(k).get_dtype()
+                if dtype == "BF16":  # NumPy has no bfloat16: read raw bytes through ml_dtypes
+                    out[k] = _read_raw_tensor(file, k)
+                else:
+                    out[k] = np.asarray(f.get_tensor(k), dtype=np.float32)
+        return out
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # SafetensorError, TypeError on odd dtypes, OSError on a truncated read
+        raise ValueError(f"{file} is not a readable safetensors file (corrupt or truncated?): {e}") from e
+
+
+def _read_raw_tensor(file: Path, key: str) -> np.ndarray:
+    import ml_dtypes
+
+    with open(file, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+        info = header[key]
+        start, end = info["data_offsets"]
+        fh.seek(8 + n + start)
+        buf = fh.read(end - start)
+    arr = np.frombuffer(buf, dtype=ml_dtypes.bfloat16).reshape(info["shape"])
+    return arr.astype(np.float32)
+
+
+def _read_torch_bin(file: Path) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(f"{file} is a PyTorch pickle and needs torch to read; install torch, or re-save the "
+                          f"adapter as {SAFETENSORS_FILE} (PEFT's default)") from e
+    try:
+        state = torch.load(str(file), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{file} is not a readable PyTorch weights file (corrupt or truncated?): {e}") from e
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{file}: expected a dict of tensors, got {type(state).__name__}")
+    out = {}
+    for k, v in state.items():
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"{file}: entry {k!r} is a {type(v).__name__}, not a tensor")
+        out[k] = v.detach().to(torch.float32).numpy()
+    return out
+
+
+# ---- PEFT's matching rules -----------------------------------------------------------------------
+
+
+def get_pattern_key(pattern_keys: Sequence[str], key_to_match: str) -> str:
+    """peft.utils.other.get_pattern_key: the first pattern key that matches the module name's end."""
+    for key in pattern_keys:
+        if re.match(rf"(.*\.)?({key})$", key_to_match):
+            return key
+    return key_to_match
+
+
+def is_targeted(config: Mapping[str, Any], name: str) -> bool:
+    """peft.tuners.tuners_utils.check_target_module_exists for a Llama linear-layer name."""
+    exclude = config.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, name):
+                return False
+        elif name in exclude or any(name.endswith(f".{k}") for k in exclude):
+            return False
+    target = config.get("target_modules")
+    if isinstance(target, str):
+        if target.lower() == "all-linear":  # every linear layer but the output head: all of Llama's
+            return True
+        return re.fullmatch(target, name) is not None
+    target = list(target or [])
+    if name in target:  # named exactly: layers_to_transform does not apply (as in peft)
+        return True
+    if not any(name.endswith(f".{t}") for t in target):
+        return False
+    layer_indexes = config.get("layers_to_transform")
+    if layer_indexes is None or (isinstance(layer_indexes, list) and not layer_indexes):
+        return True
+    layers_pattern = config.get("layers_pattern")
+    match = None
+    if not layers_pattern:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
+    else:
+        for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", name)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    idx = int(match.group("idx"))
+    return idx == layer_indexes if isinstance(layer_indexes, int) else idx in layer_indexes
+
+
+def _check_config(cfg: Mapping[str, Any], where: str) -> None:
+    peft_type = cfg.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise ValueError(f"{where}: peft_type={peft_type!r}; only LORA adapters are supported")
+    for field, why in _UNSUPPORTED_FIELDS.items():
+        if cfg.get(field):
+            raise ValueError(f"{where}: {field}={cfg[field]!r}: {why}")
+    bias = cfg.get("bias", "none")
+    if bias not in (None, "none"):
+        raise ValueError(f"{where}: bias={bias!r}: trained bias terms are not supported (need bias='none')")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):
+        raise ValueError(f"{where}: init_lora_weights={init!r}: this adapter only works on the base model as "
+                         f"modified by that initialisation; re-save it from PEFT with "
+                         f"path_initial_model_for_weight_conversion to get a plain LoRA adapter")
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{where}: r={r!r} must be a positive integer")
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ValueError(f"{where}: lora_alpha={alpha!r} must be a number")
+    for field in ("rank_pattern", "alpha_pattern"):
+        pat = cfg.get(field) or {}
+        if not isinstance(pat, dict):
+            raise ValueError(f"{where}: {field} must be an object mapping module patterns to values, got {pat!r}")
+        for k, v in pat.items():
+            bad = isinstance(v, bool) or not isinstance(v, (int, float))
+            if bad or (field == "rank_pattern" and (not isinstance(v, int) or v < 1)):
+                raise ValueError(f"{where}: {field}[{k!r}]={v!r} must be a "
+                                 f"{'positive integer' if field == 'rank_pattern' else 'number'}")
+    target = cfg.get("target_modules")
+    if target is not None and not isinstance(target, (str, list)):
+        raise ValueError(f"{where}: target_modules must be a list, a regex string or 'all-linear', got {target!r}")
+    if isinstance(target, str) and (cfg.get("layers_to_transform") is not None or cfg.get("layers_pattern")):
+        raise ValueError(f"{where}: layers_to_transform/layers_pattern cannot be combined with a regex "
+                         f"target_modules string (PEFT rejects this too)")
+    lt = cfg.get("layers_to_transform")
+    if lt is not None and not (isinstance(lt, int) or (isinstance(lt, list) and all(isinstance(i, int) for i in lt))):
+        raise ValueError(f"{where}: layers_to_transform must be an int or a list of ints, got {lt!r}")
+
+
+def module_rank_alpha(cfg: Mapping[str, Any], name: str) -> tuple[int, float]:
+    """(r, alpha) PEFT gives the module called `name` (its full name in the base model)."""
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    r = rank_pattern.get(get_pattern_key(list(rank_pattern), name), cfg["r"])
+    alpha = alpha_pattern.get(get_pattern_key(list(alpha_pattern), name), cfg.get("lora_alpha", 8))
+    return int(r), float(alpha)
+
+
+def lora_scale(r: int, alpha: float, use_rslora: bool) -> float:
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def _reject_tensor(key: str, file: Path) -> ValueError:
+    """The error for a tensor that is not a Llama linear layer's lora_A/lora_B."""
+    if "lora_embedding_" in key or ".embed_tokens." in f".{key}.":
+        why = "LoRA or trained weights on the token embedding (embed_tokens) are not supported"
+    elif "lm_head" in key:
+        why = "LoRA or trained weights on the output head (lm_head) are not supported"
+    elif "lora_magnitude_vector" in key:
+        why = "DoRA magnitude vectors (use_dora) are not supported"
+    elif "trainable_tokens" in key:
+        why = "trainable token embeddings (trainable_token_indices) are not supported"
+    elif "modules_to_save" in key:
+        why = "full trained copies of modules (modules_to_save) are not supported"
+    elif key.endswith(".bias"):
+        why = "bias terms (bias / lora_bias) are not supported"
+    else:
+        why = ("expected only '...layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight' and "
+               "'...layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight'")
+    return ValueError(f"{file}: unsupported tensor {key!r}: {why}")
+
+
+# ---- conversion -----------------------------------------------------------------------------------
+
+
+def read_peft_adapter(
+    path: str | Path,
+    model_cfg: LlamaConfig,
+    max_lora_rank: int | None = None,
+    name: str | None = None,
+) -> LoRAAdapter:
+    """Convert a PEFT LoRA directory for the base model `model_cfg` (shapes are checked against it)."""
+    path = Path(path)
+    config = read_peft_config(path)
+    where = str(path / ADAPTER_CONFIG)
+    _check_config(config, where)
+    tensors, file = read_peft_tensors(path)
+    if not tensors:
+        raise ValueError(f"{file} holds no tensors")
+
+    shapes = model_cfg.module_shapes()
+    L = model_cfg.num_hidden_layers
+    use_rslora = bool(config.get("use_rslora", False))
+
+    # 1. Name table: every key must be a lora_A/lora_B of one Llama linear layer.
+    found: dict[tuple[int, str], dict[str, tuple[str, np.ndarray]]] = {}
+    names: dict[tuple[int, str], str] = {}  # (layer, module) -> module's full name in the base model
+    prefixes: set[str] = set()
+    adapter_names: set[str] = set()
+    for key, arr in tensors.items():
+        m = _AB_KEY.match(key)
+        module_name = m.group("module") if m else None
+        if module_name is not None and module_name.startswith("base_model.model."):
+            module_name = module_name[len("base_model.model."):]
+        lm = _LAYER_MODULE.match(module_name) if module_name else None
+        if m is None or lm is None:
+            raise _reject_tensor(key, file)
+        if m.group("adapter"):
+            adapter_names.add(m.group("adapter"))
+        idx, mod = int(lm.group("idx")), lm.group("module")
+        if MODULE_PARENT[mod] != lm.group("parent"):
+            raise _reject_tensor(key, file)
+        if idx >= L:
+            raise ValueError(f"{file}: tensor {key!r} is for layer {idx}, but the base model has {L} layers")
+        if not is_targeted(config, module_name):
+            raise ValueError(f"{file}: tensor {key!r} is for module {module_name!r}, which {ADAPTER_CONFIG} does "
+                             f"not target (target_modules={config.get('target_modules')!r}, layers_to_transform="
+                             f"{config.get('layers_to_transform')!r}, exclude_modules="
+                             f"{config.get('exclude_modules')!r})")
+        slot = found.setdefault((idx, mod), {})
+        if m.group("ab") in slot:
+            raise ValueError(f"{file}: tensors {slot[m.group('ab')][0]!r} and {key!r} are both lora_{m.group('ab')} "
+                             f"of module {module_name!r}")
+        slot[m.group("ab")] = (key, arr)
+        names[(idx, mod)] = module_name
+        prefixes.add(lm.group("prefix"))
+    if len(adapter_names) > 1:
+        raise ValueError(f"{file} mixes tensors of several adapters {sorted(adapter_names)}; expected one")
+    if len(prefixes) > 1:
+        raise ValueError(f"{file}: tensors use different module name prefixes {sorted(prefixes)}")
+    prefix = prefixes.pop()
+
+    # 2. Coverage: what the config targets must be there, with both halves.
+    for i in range(L):
+        for mod, parent in MODULE_PARENT.items():
+            full = f"{prefix}layers.{i}.{parent}.{mod}"
+            if (i, mod) not in found:
+                if config.get("target_modules") is not None and is_targeted(config, full):
+                    raise ValueError(f"{file} has no lora_A/lora_B tensors for {full!r}, which {ADAPTER_CONFIG} "
+                                     f"targets (target_modules={config.get('target_modules')!r})")
+                continue
+            for ab in ("A", "B"):
+                if ab not in found[(i, mod)]:
+                    raise ValueError(f"{file}: module {full!r} has lora_{'B' if ab == 'A' else 'A'} but no "
+                                     f"lora_{ab} tensor")
+
+    # 3. Ranks, shapes and scale per (layer, module); then assemble [L, ...] stacks.
+    per_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    ranks: dict[str, int] = {}
+    for (i, mod), ab in sorted(found.items()):
+        full = names[(i, mod)]
+        r, alpha = module_rank_alpha(config, full)
+        d_in, d_out = shapes[mod]
+        if max_lora_rank is not None and r > max_lora_rank:
+            raise ValueError(f"{where}: module {full!r} has rank r={r}, above max_lora_rank={max_lora_rank}")
+        (ka, a), (kb, b) = ab["A"], ab["B"]
+        if a.shape != (r, d_in):
+            raise ValueError(f"{file}: tensor {ka!r} has shape {tuple(a.shape)}, expected {(r, d_in)} "
+                             f"(r={r} from {ADAPTER_CONFIG}, in_features={d_in} of the base model's {mod})")
+        if b.shape != (d_out, r):
+            raise ValueError(f"{file}: tensor {kb!r} has shape {tuple(b.shape)}, expected {(d_out, r)} "
+                             f"(out_features={d_out} of the base model's {mod}, r={r} from {ADAPTER_CONFIG})")
+        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+            raise ValueError(f"{file}: tensors of module {full!r} contain NaN or Inf")
+        scale = lora_scale(r, alpha, use_rslora)
+        per_module.setdefault(mod, {})[i] = (a.T.astype(np.float32), (b.T * np.float32(scale)).astype(np.float32))
+        ranks[mod] = max(ranks.get(mod, 0), r)
+
+    weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for mod in MODULES:
+        if mod not in per_module:
+            continue
+        r_m = ranks[mod]
+        d_in, d_out = shapes[mod]
+        A = np.zeros((L, d_in, r_m), np.float32)
+        B = np.zeros((L, r_m, d_out), np.float32)
+        for i, (a, b) in per_module[mod].items():
+            A[i, :, : a.shape[1]] = a
+            B[i, : b.shape[0], :] = b
+        weights[mod] = (A, B)
+    ranks = {m: ranks[m] for m in weights}
+    return LoRAAdapter(name=name or path.name, ranks=ranks, weights=weights, source=str(path))
+
+
+# ---- orbax save / load ------------------------------------------------------------------------------
+
+
+def save_adapter(adapter: LoRAAdapter, path: str | Path) -> None:
+    """Write a converted adapter: jlora_adapter.json + an orbax checkpoint of its arrays."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    tree = {m: {"A": np.ascontiguousarray(a, np.float32), "B": np.ascontiguousarray(b, np.float32)}
+            for m, (a, b) in adapter.weights.items()}
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path / "weights", tree, force=True)
+    meta = {
+        "format": JLORA_ADAPTER_FORMAT, "version": JLORA_ADAPTER_VERSION, "name": adapter.name,
+        "ranks": adapter.ranks, "source": adapter.source, "num_layers": adapter.num_layers,
+        "shapes": {m: {"A": list(a.shape), "B": list(b.shape)} for m, (a, b) in adapter.weights.items()},
+    }
+    (path / JLORA_ADAPTER_META).write_text(json.dumps(meta, indent=1))
+
+
+def load_adapter(
+    path: str | Path,
+    model_cfg: LlamaConfig | None = None,
+    max_lora_rank: int | None = None,
+    name: str | None = None,
+) -> LoRAAdapter:
+    """Read an adapter written by `save_adapter`; checked against `model_cfg` when given."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    meta_file = path / JLORA_ADAPTER_META
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"no {JLORA_ADAPTER_META} in {str(path)!r} (not a converted jlora adapter)")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"malformed {meta_file}: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != JLORA_ADAPTER_FORMAT:
+        raise ValueError(f"{meta_file}: not a jlora adapter (format={meta.get('format') if isinstance(meta, dict) else None!r})")
+    if meta.get("version") != JLORA_ADAPTER_VERSION:
+        raise ValueError(f"{meta_file}: version {meta.get('version')!r}; this jlora reads version {JLORA_ADAPTER_VERSION}")
+    if not (path / "weights").is_dir():
+        raise FileNotFoundError(f"no orbax 'weights' checkpoint in {str(path)!r}")
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            tree = ckpt.restore(path / "weights")
+    except Exception as e:
+        raise ValueError(f"{path / 'weights'} is not a readable orbax checkpoint: {e}") from e
+    ranks = {str(m): int(r) for m, r in meta.get("ranks", {}).items()}
+    try:
+        weights = {m: (np.asarray(t["A"], np.float32), np.asarray(t["B"], np.float32)) for m, t in tree.items()}
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path / 'weights'}: expected {{module: {{'A', 'B'}}}} arrays: {e}") from e
+    adapter = LoRAAdapter(name=name or meta.get("name") or path.name, ranks=ranks, weights=weights,
+                          source=str(meta.get("source", "")))
+    if model_cfg is not None:
+        adapter.validate(model_cfg, max_lora_rank)
+    return adapter
+
+
+def is_jlora_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / JLORA_ADAPTER_META).is_file()
+
+
+def read_adapter(
+    path: str | Path,
+    model_cfg: LlamaConfig,
+    max_lora_rank: int | None = None,
+    name: str | None = None,
+) -> LoRAAdapter:
+    """A PEFT directory or a converted jlora directory, whichever `path` is."""
+    if is_jlora_adapter_dir(path):
+        return load_adapter(path, model_cfg, max_lora_rank, name)
+    return read_peft_adapter(path, model_cfg, max_lora_rank, name)
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    model_cfg: LlamaConfig,
+    max_lora_rank: int | None = None,
+    name: str | None = None,
+) -> LoRAAdapter:
+    """PEFT directory `src` -> converted orbax adapter at `dst` (what `jlora convert SRC DST` does)."""
+    adapter = read_peft_adapter(src, model_cfg, max_lora_rank, name)
+    save_adapter(adapter, dst)
+    return adapter
+
+
+def convert_main(argv: Sequence[str] | None = None) -> int:
+    """`jlora convert SRC DST [--model M] [--max-lora-rank R]`."""
+    import argparse
+
+    from jlora.models.loading import read_model_config
+
+    p = argparse.ArgumentParser(prog="jlora convert", description="convert a PEFT LoRA adapter for jlora")
+    p.add_argument("src", help="PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("dst", help="output directory (orbax checkpoint + jlora_adapter.json)")
+    p.add_argument("--model", default=None, help="base model (GGUF file or checkpoint dir); default: SmolLM2-135M")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="reject adapters above this rank")
+    p.add_argument("--name", default=None, help="adapter name stored with it (default: SRC's folder name)")
+    args = p.parse_args(argv)
+    adapter = convert(args.src, args.dst, read_model_config(args.model), args.max_lora_rank, args.name)
+    print(f"converted {args.src} -> {args.dst} (modules: {sorted(adapter.weights)}, "
+          f"ranks: {sorted(set(adapter.ranks.values()))})")
+    return 0

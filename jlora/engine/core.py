@@ -1,0 +1,261 @@
+"""LLMEngine: continuous batching over a fixed set of KV regions and adapter slots.
+
+`add_request` queues work, `step` runs one scheduling round (a prefill call for newly admitted
+or partially prefilled sequences within the token budget, then one decode call for every
+sequence already decoding), `abort` drops a request and frees its KV region and slot pin.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from jlora.adapters.manager import AdapterManager, NoFreeSlotError
+from jlora.adapters.request import LoRARequest
+from jlora.engine.config import EngineConfig, bucket_for
+from jlora.engine.runner import ModelRunner
+from jlora.engine.sequence import Request, Sequence, SeqState
+from jlora.outputs import RequestOutput
+from jlora.sampling import SamplingBatch, SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, eos_token_id: int | None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.runner = ModelRunner(model, config)
+        self.adapters = AdapterManager(model.cfg, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                       max_cpu_loras=config.max_cpu_loras, dtype=model.dtype)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_rows = list(range(config.max_num_seqs))
+        self._ids = itertools.count()
+        self._seed_rng = random.Random()
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | dict[str, Any] | list[int],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue one request. Raises ValueError/FileNotFoundError for bad input, queuing nothing."""
+        params = params or SamplingParams()
+        prompt_text, ids = self._tokenize(prompt)
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={limit} leaves no room to generate "
+                             f"(the prompt must be at most {limit - 1} tokens)")
+        if any(not 0 <= t < self.runner.cfg.vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be in [0, {self.runner.cfg.vocab_size})")
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+            self.adapters.prepare(lora_request)  # converts into the host cache; raises on a bad adapter
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**32)
+        seqs = [Sequence(request_id, i, ids, params, (base_seed + 7919 * i) % 2**32, lora_request)
+                for i in range(params.n)]
+        req = Request(request_id, prompt_text, ids, params, lora_request, seqs)
+        req.metrics.num_prompt_tokens = len(ids)
+        req.streamed_text = [""] * params.n
+        self.requests[request_id] = req
+        self.waiting.extend(seqs)
+        return request_id
+
+    def _tokenize(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = [int(t) for t in prompt["prompt_token_ids"]]
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                ids = self.tokenizer.encode(text, add_special_tokens=True)
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, [int(t) for t in prompt]
+        else:
+            raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        return text, ids
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.state is not SeqState.FINISHED:
+                self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling -----------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Strict FIFO: the head waits for a KV region and an adapter slot; nobody overtakes it."""
+        while self.waiting and self.free_rows:
+            seq = self.waiting[0]
+            if seq.lora is not None:
+                try:
+                    seq.slot = self.adapters.acquire(seq.lora)
+                except NoFreeSlotError:
+                    return  # every slot is pinned by running requests; wait for one to finish
+            self.waiting.popleft()
+            seq.row = self.free_rows.pop(0)
+            seq.state = SeqState.PREFILL
+            self.running.append(seq)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        if seq.state is SeqState.WAITING:
+            self.waiting.remove(seq)
+        elif seq.state is not SeqState.FINISHED:
+            self.running.remove(seq)
+            self.free_rows.append(seq.row)
+            self.free_rows.sort()  # low rows first keeps the decode batch bucket small
+            if seq.slot >= 0:
+                self.adapters.release(seq.slot)
+        seq.state = SeqState.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        req = self.requests[seq.request_id]
+        if req.finished:
+            req.metrics.finished_time = time.time()
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling round. Returns the requests that changed (with their state so far)."""
+        self._admit()
+        touched: dict[str, Request] = {}
+        decoding = [s for s in self.running if s.state is SeqState.DECODE]
+        prefilling = [s for s in self.running if s.state is SeqState.PREFILL]
+        if prefilling:
+            self._prefill(prefilling, touched)
+        if decoding:
+            self._decode(decoding, touched)
+        return [r.to_output() for r in touched.values()]
+
+    def _prefill(self, seqs: list[Sequence], touched: dict[str, Request]) -> None:
+        c = self.config
+        # The chunk length bucket covers the longest remaining prompt part, capped at the chunk size.
+        longest = max(len(s.prompt_token_ids) - s.num_computed for s in seqs)
+        t = bucket_for(min(longest, c.prefill_chunk), c.token_buckets)
+        seqs = seqs[: c.max_prefill_seqs(t)]
+        b = bucket_for(len(seqs), c.batch_buckets)
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.full((b, t), -1, np.int32)
+        slots = np.full((b,), -1, np.int32)
+        rows = np.zeros((b,), np.int32)
+        last = np.zeros((b,), np.int32)
+        done: list[int] = []
+        end_max = 1
+        for i, s in enumerate(seqs):
+            chunk = s.prompt_token_ids[s.num_computed: s.num_computed + t]
+            n = len(chunk)
+            tokens[i, :n] = chunk
+            positions[i, :n] = np.arange(s.num_computed, s.num_computed + n)
+            slots[i], rows[i], last[i] = s.slot, s.row, n - 1
+            s.num_computed += n
+            end_max = max(end_max, s.num_computed)
+            if s.num_computed == len(s.prompt_token_ids):
+                done.append(i)
+        span = bucket_for(max(end_max, t), tuple(x for x in c.span_buckets if x >= t))
+        logits = self.runner.forward(self.adapters.lora_state, tokens, positions, slots, last, rows, span, "prefill")
+        if done:
+            self._sample_and_append(logits, b, {i: seqs[i] for i in done}, touched)
+
+    def _decode(self, seqs: list[Sequence], touched: dict[str, Request]) -> None:
+        c = self.config
+        b = bucket_for(max(s.row for s in seqs) + 1, c.batch_buckets)
+        tokens = np.zeros((b, 1), np.int32)
+        positions = np.full((b, 1), -1, np.int32)
+        slots = np.full((b,), -1, np.int32)
+        by_row = {}
+        for s in seqs:
+            tokens[s.row, 0] = s.output_ids[-1]
+            positions[s.row, 0] = s.total_len - 1
+            slots[s.row] = s.slot
+            by_row[s.row] = s
+        span = bucket_for(max(s.total_len for s in seqs), c.span_buckets)
+        logits = self.runner.forward(self.adapters.lora_state, tokens, positions, slots,
+                                     np.zeros((b,), np.int32), None, span, "decode")
+        self._sample_and_append(logits, b, by_row, touched)
+
+    def _sample_and_append(self, logits, b: int, seqs_by_row: dict[int, Sequence], touched) -> None:
+        rows = sorted(seqs_by_row)
+        params = [SamplingParams(temperature=0.0)] * b
+        seeds, counters = [0] * b, [0] * b
+        for r in rows:
+            s = seqs_by_row[r]
+            params[r], seeds[r], counters[r] = s.params, s.seed, len(s.output_ids)
+        batch = SamplingBatch.build(params, seeds, counters, b)
+        next_ids = self.runner.sample(logits, batch)
+        now = time.time()
+        for r in rows:
+            s = seqs_by_row[r]
+            req = self.requests[s.request_id]
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self._append_token(s, int(next_ids[r]))
+            req.metrics.num_generated_tokens = sum(len(q.output_ids) for q in req.seqs)
+            touched[s.request_id] = req
+
+    def _append_token(self, s: Sequence, tok: int) -> None:
+        p = s.params
+        s.state = SeqState.DECODE
+        s.num_computed = s.total_len  # every token but the new one is in the cache
+        s.output_ids.append(tok)
+        enough = len(s.output_ids) >= p.min_tokens
+        if enough and tok in p.stop_token_ids:
+            s.output_ids.pop()
+            self._update_text(s)
+            return self._finish(s, "stop", tok)
+        if enough and not p.ignore_eos and tok == self.eos_token_id:
+            s.output_ids.pop()
+            self._update_text(s)
+            return self._finish(s, "stop", None)
+        self._update_text(s)
+        if enough and p.stop:
+            for stop in p.stop:
+                at = s.text.find(stop)
+                if at >= 0:
+                    s.text = s.text[:at]
+                    return self._finish(s, "stop", stop)
+        max_new = p.max_tokens if p.max_tokens is not None else self.config.max_model_len
+        if len(s.output_ids) >= max_new or s.total_len >= self.config.max_model_len:
+            return self._finish(s, "length")
+
+    def _update_text(self, s: Sequence) -> None:
+        s.text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+
+    # ---- outputs ----------------------------------------------------------------------------------
+
+    def pop_finished(self, request_id: str) -> RequestOutput:
+        req = self.requests.pop(request_id)
+        return req.to_output()
+
+    def stream_deltas(self, request_id: str) -> list[str]:
+        """Text added to each sample since the last call; holds back a trailing partial character."""
+        req = self.requests[request_id]
+        out = []
+        for i, s in enumerate(req.seqs):
+            text = s.text if s.state is SeqState.FINISHED else s.text.rstrip("\ufffd")
+            delta = text[len(req.streamed_text[i]):] if text.startswith(req.streamed_text[i]) else ""
+            req.streamed_text[i] += delta
+            out.append(delta)
+        return out

@@ -1,0 +1,85 @@
+"""ModelRunner: owns the device state (weights, KV cache) and the jitted step and sampler.
+
+Host and device meet once per call: the scheduler hands over NumPy index arrays padded to a
+bucket, they go over in one transfer, and only the sampled token ids come back.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jlora import compile_stats
+from jlora.engine.config import EngineConfig
+from jlora.models.llama import Llama, LoRAState, init_cache
+from jlora.sampling import SamplingBatch, sample
+
+
+class ModelRunner:
+    def __init__(self, model: Llama, config: EngineConfig, kv_dtype: Any = None):
+        self.cfg = model.cfg
+        self.config = config
+        self.graphdef, self.state = nnx.split(model)
+        self.kv_dtype = kv_dtype or model.dtype
+        self.cache = init_cache(self.cfg, config.max_num_seqs, config.max_model_len, self.kv_dtype)
+        self._step = jax.jit(self._step_impl, static_argnames=("span", "lora_impl"), donate_argnames=("cache",))
+
+    def _step_impl(self, state, lora_state, cache, tokens, positions, slot_ids, logits_index, rows, *, span, lora_impl):
+        model = nnx.merge(self.graphdef, state)
+        return model(tokens, positions, cache, lora_state, slot_ids, logits_index, rows, span=span, lora_impl=lora_impl)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(x.nbytes for layer in self.cache for x in layer.values())
+
+    def forward(
+        self,
+        lora_state: LoRAState | None,
+        tokens: np.ndarray,  # i32[B, T]
+        positions: np.ndarray,  # i32[B, T], -1 = padding
+        slot_ids: np.ndarray,  # i32[B], -1 = base model
+        logits_index: np.ndarray,  # i32[B]
+        rows: np.ndarray | None,  # i32[B] cache rows, or None: sequence b is row b
+        span: int,
+        stage: str,
+    ) -> jax.Array:  # f32[B, V], stays on device
+        args = (tokens, positions, slot_ids, logits_index) + (() if rows is None else (rows,))
+        dev = jax.device_put(args)  # one transfer for all index arrays
+        if rows is None:
+            dev = (*dev, None)
+        with compile_stats.stage(stage):
+            logits, self.cache = self._step(
+                self.state, lora_state, self.cache, *dev, span=span, lora_impl=self.config.lora_impl)
+        return logits
+
+    def sample(self, logits: jax.Array, batch: SamplingBatch) -> np.ndarray:  # i32[B] on host
+        arrays = jax.device_put((batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.counters))
+        with compile_stats.stage("sample"):
+            return np.asarray(sample(logits, *arrays))
+
+    def warmup(self, lora_state: LoRAState | None, progress: bool = True) -> None:
+        """Compile every prefill, decode and sampler graph once, before the first request."""
+        c = self.config
+        jobs: list[tuple[str, tuple[int, ...]]] = [("prefill", s) for s in c.prefill_shapes()]
+        jobs += [("decode", s) for s in c.decode_shapes()]
+        for (name, shape) in tqdm(jobs, desc="jlora warm-up (compiling graphs)", disable=not progress):
+            if name == "prefill":
+                b, t, span = shape
+                rows = np.zeros((b,), np.int32)
+            else:
+                b, span = shape
+                t, rows = 1, None
+            tokens = np.zeros((b, t), np.int32)
+            positions = np.full((b, t), -1, np.int32)  # all padding: writes are dropped
+            logits = self.forward(lora_state, tokens, positions, np.full((b,), -1, np.int32),
+                                  np.zeros((b,), np.int32), rows, span, name)
+        for b in c.batch_buckets:
+            logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
+            self.sample(logits, SamplingBatch.build([], [], [], b))
+        jax.block_until_ready(self.cache)

@@ -1,0 +1,69 @@
+"""Per-request state on the host: tokens, text, stop checks and incremental detokenization."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jlora.adapters.request import LoRARequest
+from jlora.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jlora.sampling import SamplingParams
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    lora: LoRARequest | None
+    state: SeqState = SeqState.WAITING
+    row: int = -1  # KV cache region
+    slot: int = -1  # adapter slot, -1 = base model
+    num_computed: int = 0  # tokens already in the KV cache
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_ids
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_ids)
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, list(self.output_ids), self.finish_reason, self.stop_reason,
+                                self.lora.lora_name if self.lora else None)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora: LoRARequest | None
+    seqs: list[Sequence]
+    metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(time.time()))
+    streamed_text: list[str] = dataclasses.field(default_factory=list)  # per sample: text already streamed
+
+    @property
+    def finished(self) -> bool:
+        return all(s.state is SeqState.FINISHED for s in self.seqs)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
+                             [s.to_output() for s in self.seqs], self.finished, self.metrics,
+                             self.lora.lora_name if self.lora else None)

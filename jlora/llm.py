@@ -1,0 +1,172 @@
+"""LLM: the vLLM-shaped entry point (`generate`, `chat`, streaming) over an LLMEngine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from jlora import compile_stats
+from jlora.adapters.request import LoRARequest
+from jlora.engine.config import EngineConfig
+from jlora.engine.core import LLMEngine
+from jlora.models.loading import load_model
+from jlora.outputs import RequestOutput
+from jlora.sampling import SamplingParams
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
+    """Persistent XLA cache so a second start skips compilation."""
+    path = Path(path or os.environ.get("JLORA_CACHE_DIR") or Path.home() / ".cache" / "jlora" / "xla")
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
+        max_cpu_loras: int | None = None,
+        lora_impl: str = "auto",
+        token_buckets: tuple[int, ...] | None = None,
+        batch_buckets: tuple[int, ...] | None = None,
+        span_buckets: tuple[int, ...] | None = None,
+        warmup: bool = True,
+        compilation_cache_dir: str | os.PathLike | None = None,
+        use_compilation_cache: bool = True,
+        progress: bool = True,
+    ):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if use_compilation_cache:
+            enable_compilation_cache(compilation_cache_dir)
+        from jlora.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+
+        self.model, self.model_path, fields = load_model(model, _DTYPES[dtype])
+        cfg = self.model.cfg
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        if self.model_path.is_file():
+            self.tokenizer = load_gguf_tokenizer(self.model_path, fields)
+        else:
+            self.tokenizer = load_hf_tokenizer(self.model_path)
+        self.config = EngineConfig(
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras or max(4 * max_loras, 8), lora_impl=lora_impl,
+            token_buckets=token_buckets, batch_buckets=batch_buckets, span_buckets=span_buckets)
+        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else cfg.eos_token_id
+        self.engine = LLMEngine(self.model, self.tokenizer, self.config, eos)
+        self.progress = progress
+        if warmup:
+            self.warmup()
+
+    def warmup(self) -> None:
+        with compile_stats.stage("set_slot"):
+            self.engine.adapters.warmup()
+        self.engine.runner.warmup(self.engine.adapters.lora_state, progress=self.progress)
+
+    # ---- generation -------------------------------------------------------------------------------
+
+    def _add_all(self, prompts, params, lora_request) -> list[str]:
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if prompts and isinstance(prompts[0], int):  # a single token id list
+            prompts = [prompts]
+        n = len(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+        if len(params_list) != n:
+            raise ValueError(f"got {len(params_list)} SamplingParams for {n} prompts")
+        if len(loras) != n:
+            raise ValueError(f"lora_request is a list of {len(loras)} for {n} prompts")
+        ids = []  # a bad prompt un-queues the ones before it, so the engine is left as it was
+        try:
+            for p, sp, lr in zip(prompts, params_list, loras):
+                ids.append(self.engine.add_request(p, sp, lr))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+                self.engine.requests.pop(rid, None)
+            raise
+        return ids
+
+    def generate(
+        self,
+        prompts: str | dict | Seq[str | dict | list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        ids = self._add_all(prompts, sampling_params, lora_request)
+        pending = set(ids)
+        bar = tqdm(total=len(ids), desc="generate", disable=not (use_tqdm and self.progress and len(ids) > 1))
+        while pending:
+            self.engine.step()
+            done = [r for r in pending if self.engine.requests[r].finished]
+            pending.difference_update(done)
+            bar.update(len(done))
+        bar.close()
+        return [self.engine.pop_finished(r) for r in ids]
+
+    def generate_stream(
+        self,
+        prompt: str | dict | list[int],
+        sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> Iterator[str]:
+        """Yields text deltas of one request as its tokens arrive (the first sample when n > 1)."""
+        (rid,) = self._add_all([prompt], sampling_params, lora_request)
+        try:
+            while True:
+                self.engine.step()
+                delta = self.engine.stream_deltas(rid)[0]
+                if delta:
+                    yield delta
+                if self.engine.requests[rid].finished:
+                    break
+        finally:
+            if rid in self.engine.requests:
+                self.engine.abort(rid)
+                self.engine.requests.pop(rid, None)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the model has no chat template")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in conversations]
+        return self.generate(prompts, sampling_params, lora_request, use_tqdm)
+
+    # ---- introspection -----------------------------------------------------------------------------
+
+    def compile_report(self, print_table: bool = True) -> dict[str, tuple[int, float]]:
+        table = compile_stats.stage_table()
+        if print_table:
+            print(compile_stats.format_table(table))
+        return table
