@@ -1,0 +1,51 @@
+"""The README's main job: one batch where different prompts use different adapters and the base model."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+DEMO_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
+
+# (adapter directory or None for the base model, user message)
+DEMO_BATCH: list[tuple[str | None, str]] = [
+    (None, "What is 1+1?"),
+    ("digit-seven", "What is 1+1?"),
+    ("all-caps", "Give me one tip for staying focused."),
+    (None, "Give me one tip for staying focused."),
+    ("pirate", "What is the capital of France?"),
+    (None, "What is the capital of France?"),
+    ("digit-seven", "What is 2+3?"),
+    ("all-caps", "What is the capital of France?"),
+]
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from jlora import LLM, LoRARequest, SamplingParams
+    from jlora import compile_stats
+
+    names = sorted({name for name, _ in DEMO_BATCH if name})
+    missing = [n for n in names if not (DEMO_ADAPTERS / n / "adapter_config.json").is_file()]
+    if missing:
+        raise FileNotFoundError(f"demo adapters {missing} not found under {DEMO_ADAPTERS}")
+    requests = {n: LoRARequest(n, i + 1, str(DEMO_ADAPTERS / n)) for i, n in enumerate(names)}
+
+    t0 = time.time()
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    print(f"loaded and warmed up in {time.time() - t0:.1f}s")
+    conversations = [[{"role": "user", "content": msg}] for _, msg in DEMO_BATCH]
+    loras = [requests[name] if name else None for name, _ in DEMO_BATCH]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    compiles_before = compile_stats.compile_count()
+    t0 = time.time()
+    outs = llm.chat(conversations, params, lora_request=loras)
+    secs = time.time() - t0
+    for (name, msg), out in zip(DEMO_BATCH, outs):
+        print(f"[{name or 'base model':>12}] {msg}\n{'':>15}-> {out.outputs[0].text.strip()!r}")
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"\n{len(outs)} requests, {tokens} tokens in {secs:.1f}s ({tokens / secs:.1f} tok/s), "
+          f"{compile_stats.compile_count() - compiles_before} compiles after warm-up")
+    llm.compile_report()
+    return 0
