@@ -13,10 +13,13 @@ those with the `tokenizers` library, the way transformers' GGUF integration does
 from __future__ import annotations
 
 import logging
+import mmap
+import struct
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
@@ -35,14 +38,17 @@ _LLAMA3_SPLIT = (
 _LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral")
 # Pre names that use GPT-2's own regex (ByteLevel with use_regex=True); anything else warns.
 _GPT2_PRE = ("gpt2", "default", "smollm", "starcoder", "refact", "codeshell")
-# These split every digit off first (llama.cpp's "\p{N}" pass; SmolLM2's tokenizer.json `Digits`).
+# These split every numeric character off first: llama.cpp's "\p{N}" pass for these names, and the
+# `Digits(individual_digits=True)` step in SmolLM2's own tokenizer.json. transformers' GGUF loader
+# leaves it out, so it differs (only) where " " + the first byte of a numeric character like "½" is
+# a token: " ½" is ["Ġ", "Â½"] here and in the original tokenizer, ["ĠÂ", "½"] there.
 _DIGIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
 
 
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, in which byte-level vocabularies are spelled."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = list(bs)
     n = 0
     for b in range(256):
@@ -56,24 +62,64 @@ def bytes_to_unicode() -> dict[int, str]:
 # ---- GGUF -------------------------------------------------------------------------------------
 
 
-def read_gguf_fields(path: str | Path) -> dict[str, Any]:
-    """`{name: value}` for every metadata field of a GGUF file (no tensor data is read)."""
-    import gguf
+# GGUF metadata value types (llama.cpp's gguf_type): fixed-size ones by struct format, then string, array.
+_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
 
+
+def read_gguf_fields(path: str | Path) -> dict[str, Any]:
+    """`{name: value}` for every metadata field of a GGUF file, as `gguf.GGUFReader`'s `contents()`.
+
+    Reads only the metadata at the head of the file: `GGUFReader` parses every tensor header and wraps
+    every array element in a NumPy view, which takes seconds for a vocabulary of 50k tokens.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            magic, version, _, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+            if magic != b"GGUF" or version not in (2, 3):
+                raise ValueError(f"magic {magic!r} version {version}, expected b'GGUF' version 2 or 3 (little-endian)")
+            fields: dict[str, Any] = {}
+            pos = 24
+            for _ in range(n_kv):
+                key, pos = _gguf_string(buf, pos)
+                (kind,) = struct.unpack_from("<I", buf, pos)
+                fields[key], pos = _gguf_value(buf, pos + 4, kind)
+            return fields
+    except (ValueError, struct.error, UnicodeDecodeError, OSError) as e:
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-    fields: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        try:
-            fields[name] = field.contents()
-        except Exception:  # an odd field type we do not need
-            continue
-    return fields
+
+
+def _gguf_string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    end = pos + 8 + n
+    if end > len(buf):
+        raise ValueError(f"a string at byte {pos} runs past the end of the file")
+    return buf[pos + 8:end].decode("utf-8"), end
+
+
+def _gguf_value(buf: mmap.mmap, pos: int, kind: int) -> tuple[Any, int]:
+    if kind == _GGUF_STRING:
+        return _gguf_string(buf, pos)
+    if kind in _GGUF_SCALAR:
+        fmt = _GGUF_SCALAR[kind]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+    if kind != _GGUF_ARRAY:
+        raise ValueError(f"unknown GGUF value type {kind} at byte {pos}")
+    kind, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    if kind in _GGUF_SCALAR:  # one NumPy read for a numeric array (token types, scores)
+        nbytes = count * struct.calcsize(_GGUF_SCALAR[kind])
+        if pos + nbytes > len(buf):
+            raise ValueError(f"an array at byte {pos} runs past the end of the file")
+        return np.frombuffer(buf[pos:pos + nbytes], dtype=_GGUF_SCALAR[kind]).tolist(), pos + nbytes
+    items = []
+    for _ in range(count):
+        item, pos = _gguf_value(buf, pos, kind)
+        items.append(item)
+    return items, pos
 
 
 def load_gguf_tokenizer(path: str | Path, fields: dict[str, Any] | None = None) -> PreTrainedTokenizerFast:
@@ -101,9 +147,14 @@ def load_gguf_tokenizer(path: str | Path, fields: dict[str, Any] | None = None) 
             f"{path.name}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
         )
 
-    backend = Tokenizer(BPE(vocab=_byte_level_vocab(tokens), merges=[tuple(m.split(" ", 1)) for m in merges],
-                            dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-    backend.pre_tokenizer = _pre_tokenizer(str(fields.get("tokenizer.ggml.pre", "gpt2")))
+    pre = str(fields.get("tokenizer.ggml.pre", "gpt2"))
+    vocab = _byte_level_vocab(tokens)
+    # Llama 3's tokenizer.json (and llama.cpp for these pre names) take a whole word found in the vocab
+    # as is before trying merges; transformers' GGUF loader does not.
+    backend = Tokenizer(BPE(vocab=vocab, merges=_merge_pairs(merges, vocab, path), dropout=None,
+                            continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                            ignore_merges=pre in _LLAMA3_PRE))
+    backend.pre_tokenizer = _pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
 
     # Control tokens become special added tokens and user-defined ones plain added tokens, so both are
@@ -155,6 +206,18 @@ def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
         key = t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
         vocab.setdefault(key, i)  # a duplicate spelling keeps its first id
     return vocab
+
+
+def _merge_pairs(merges: list[str], vocab: dict[str, int], path: Path) -> list[tuple[str, str]]:
+    """`"a b"` -> `("a", "b")`, checked here: `tokenizers` panics (not raises) on a merge outside the vocab."""
+    pairs = []
+    for rank, merge in enumerate(merges):
+        parts = merge.split(" ")
+        if len(parts) != 2 or not all(p in vocab for p in parts) or parts[0] + parts[1] not in vocab:
+            raise ValueError(f"{path.name}: tokenizer.ggml.merges[{rank}]={merge!r} is not two tokens "
+                             "whose concatenation is also in the vocabulary")
+        pairs.append((parts[0], parts[1]))
+    return pairs
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:

@@ -18,7 +18,7 @@ TEXTS = [
     "",
     " leading space",
     "trailing spaces   ",
-    "café naïve résumé Ångström — “quotes” ½ ² Ⅻ",
+    "café naïve résumé Ångström — “quotes” x½ 3²",
     "你好，世界！一个测试。日本語のテキスト 한국어",
     "emoji 😀👍🏽 👨‍👩‍👧 🇫🇷",
     "whitespace  runs    here\t\ttabs\n\nnewlines\r\n  \n\t end",
@@ -53,16 +53,24 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module")
 def torch_free_check(gguf_path: Path) -> subprocess.Popen:
-    """Build a tokenizer in a fresh interpreter and check torch stays unimported.
+    """In a fresh interpreter: build a tokenizer from the path alone, check torch stays unimported, and
+    check `read_gguf_fields` against `gguf.GGUFReader` (slow, hence here).
 
     Started before the (slow) reference so the two overlap; `test_no_torch` waits for it.
     """
     code = (
         "import sys\n"
-        "from jlora.tokenizer import load_gguf_tokenizer\n"
-        f"tok = load_gguf_tokenizer({str(gguf_path)!r})\n"
+        "import gguf\n"
+        "from jlora.tokenizer import load_gguf_tokenizer, read_gguf_fields\n"
+        f"path = {str(gguf_path)!r}\n"
+        "tok = load_gguf_tokenizer(path)\n"
         "tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True)\n"
         "assert 'torch' not in sys.modules, 'jlora.tokenizer imported torch'\n"
+        "ours = read_gguf_fields(path)\n"
+        "theirs = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith('GGUF.')}\n"
+        "assert ours.keys() == theirs.keys(), set(ours) ^ set(theirs)\n"
+        "bad = [k for k in ours if ours[k] != theirs[k] or type(ours[k]) is not type(theirs[k])]\n"
+        "assert not bad, bad\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     yield proc
@@ -79,13 +87,13 @@ def ref(gguf_path: Path, torch_free_check: subprocess.Popen):
 
 
 @pytest.fixture(scope="module")
-def ours(gguf_path: Path):
-    return load_gguf_tokenizer(gguf_path, fields=read_gguf_fields(gguf_path))
+def fields(gguf_path: Path) -> dict:
+    return read_gguf_fields(gguf_path)
 
 
-def test_no_torch(torch_free_check: subprocess.Popen) -> None:
-    out, _ = torch_free_check.communicate(timeout=120)
-    assert torch_free_check.returncode == 0, out
+@pytest.fixture(scope="module")
+def ours(gguf_path: Path, fields: dict):
+    return load_gguf_tokenizer(gguf_path, fields=fields)
 
 
 def test_vocab_and_special_tokens(ours, ref) -> None:
@@ -107,6 +115,19 @@ def test_encode_matches_reference(ours, ref, text: str) -> None:
         ids = ours.encode(text, add_special_tokens=special)
         assert ids == ref.encode(text, add_special_tokens=special), (text, special)
     assert ours.tokenize(text) == ref.tokenize(text)
+
+
+def test_numeric_split_follows_original_tokenizer(ours, ref) -> None:
+    """SmolLM2's tokenizer.json (and llama.cpp's "smollm" pre-tokenizer) split numeric characters off
+    before the byte-level regex; transformers' GGUF loader does not, which shows on " ½"."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    original = Tokenizer.from_str(ref.backend_tokenizer.to_str())
+    original.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    assert ours.tokenize(" ½") == ["Ġ", "Â½"] and ref.tokenize(" ½") == ["ĠÂ", "½"]
+    for text in [*TEXTS, "a ½ b ² c Ⅻ ١٢ ５ 7"]:
+        assert ours.encode(text, add_special_tokens=False) == original.encode(text, add_special_tokens=False).ids
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -145,8 +166,8 @@ def test_hf_round_trip(ours, tmp_path: Path) -> None:
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == (ours.bos_token, ours.eos_token, ours.pad_token)
 
 
-def test_add_bos_eos_flags(gguf_path: Path) -> None:
-    fields = dict(read_gguf_fields(gguf_path), **{"tokenizer.ggml.add_bos_token": True,
+def test_add_bos_eos_flags(gguf_path: Path, fields: dict) -> None:
+    fields = dict(fields, **{"tokenizer.ggml.add_bos_token": True,
                                                   "tokenizer.ggml.add_eos_token": True})
     tok = load_gguf_tokenizer(gguf_path, fields=fields)
     plain = tok.encode("hi there", add_special_tokens=False)
@@ -165,14 +186,34 @@ def test_missing_files_raise(tmp_path: Path) -> None:
 
 
 def test_bad_metadata_raises(gguf_path: Path, tmp_path: Path) -> None:
+    tiny = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": ["a b"]}
     with pytest.raises(ValueError, match="tokenizer.ggml.model"):
-        load_gguf_tokenizer(gguf_path, fields={"tokenizer.ggml.model": "llama"})
+        load_gguf_tokenizer(gguf_path, fields=dict(tiny, **{"tokenizer.ggml.model": "llama"}))
     with pytest.raises(ValueError, match="tokenizer.ggml.merges"):
-        load_gguf_tokenizer(gguf_path, fields={"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]})
+        load_gguf_tokenizer(gguf_path, fields=dict(tiny, **{"tokenizer.ggml.merges": []}))
+    with pytest.raises(ValueError, match=r"merges\[0\]"):  # "ab" is not a token
+        load_gguf_tokenizer(gguf_path, fields=tiny)
+    ok = dict(tiny, **{"tokenizer.ggml.tokens": ["a", "b", "ab"]})
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        load_gguf_tokenizer(gguf_path, fields={"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"],
-                                               "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.bos_token_id": 7})
+        load_gguf_tokenizer(gguf_path, fields=dict(ok, **{"tokenizer.ggml.bos_token_id": 7}))
+    with pytest.raises(ValueError, match="token_type"):
+        load_gguf_tokenizer(gguf_path, fields=dict(ok, **{"tokenizer.ggml.token_type": [1]}))
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file")
     with pytest.raises(ValueError, match="not a readable GGUF"):
         load_gguf_tokenizer(junk)
+
+
+def test_llama3_pre_tokenizer(gguf_path: Path) -> None:
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe",
+              "tokenizer.ggml.tokens": ["1", "2", "3", "12", "123"], "tokenizer.ggml.merges": ["1 2", "12 3"]}
+    tok = load_gguf_tokenizer(gguf_path, fields=fields)
+    pieces = [p for p, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str("12312")]
+    assert pieces == ["123", "12"]
+    assert tok.encode("12312") == [4, 3]
+
+
+def test_no_torch(torch_free_check: subprocess.Popen) -> None:
+    """Last in the file: the check has run alongside everything above."""
+    out, _ = torch_free_check.communicate(timeout=120)
+    assert torch_free_check.returncode == 0, out
