@@ -89,6 +89,20 @@ class SamplingBatch:
         )
 
 
+def _filtered_logits(scaled, top_k, top_p, min_p):  # f32[B, V] -> (masked sorted logits, order)
+    v = scaled.shape[-1]
+    order = jnp.argsort(-scaled, axis=-1)  # [B, V], best first
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(v)[None, :]
+    keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # top-p: keep the smallest prefix whose mass reaches p (the best token always stays).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < top_p[:, None]
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    return jnp.where(keep, sorted_logits, -jnp.inf), order
+
+
 @jax.jit
 def sample(
     logits: jax.Array,  # f32[B, V]
@@ -101,20 +115,21 @@ def sample(
 ) -> jax.Array:  # i32[B]
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    v = logits.shape[-1]
+    is_sampled = temperature > 0
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)  # [B, V], best first
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(v)[None, :]
-    keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    # top-p: keep the smallest prefix whose mass reaches p (the best token always stays).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < top_p[:, None]
-    keep &= probs >= min_p[:, None] * probs[:, :1]
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
     # A per-request key, folded with the row's own token counter: independent of batch composition.
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-    choice = jax.vmap(jax.random.categorical)(keys, masked)  # index into the sorted order
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+
+    def plain() -> jax.Array:
+        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+    def filtered() -> jax.Array:
+        masked, order = _filtered_logits(scaled, top_k, top_p, min_p)
+        choice = jax.vmap(jax.random.categorical)(keys, masked)  # index into the sorted order
+        return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+    # The full-vocabulary sort is the expensive part: run it only when some row filters.
+    needs_filter = jnp.any(is_sampled & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)))
+    sampled = jax.lax.cond(
+        jnp.any(is_sampled), lambda: jax.lax.cond(needs_filter, filtered, plain), lambda: greedy)
+    return jnp.where(is_sampled, sampled, greedy)

@@ -305,6 +305,17 @@ def _check_config(cfg: Mapping[str, Any], where: str) -> None:
     if isinstance(target, str) and (cfg.get("layers_to_transform") is not None or cfg.get("layers_pattern")):
         raise ValueError(f"{where}: layers_to_transform/layers_pattern cannot be combined with a regex "
                          f"target_modules string (PEFT rejects this too)")
+    regexes = [("target_modules", target)] if isinstance(target, str) else []
+    if isinstance(cfg.get("exclude_modules"), str):
+        regexes.append(("exclude_modules", cfg["exclude_modules"]))
+    lp = cfg.get("layers_pattern")
+    regexes += [("layers_pattern", p) for p in ([lp] if isinstance(lp, str) else lp or [])]
+    regexes += [(f, rf"(.*\.)?({k})$") for f in ("rank_pattern", "alpha_pattern") for k in (cfg.get(f) or {})]
+    for field, pattern in regexes:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"{where}: {field} holds an invalid regular expression {pattern!r}: {e}") from e
     lt = cfg.get("layers_to_transform")
     if lt is not None and not (isinstance(lt, int) or (isinstance(lt, list) and all(isinstance(i, int) for i in lt))):
         raise ValueError(f"{where}: layers_to_transform must be an int or a list of ints, got {lt!r}")
@@ -385,7 +396,7 @@ def read_peft_adapter(
             raise _reject_tensor(key, file)
         if idx >= L:
             raise ValueError(f"{file}: tensor {key!r} is for layer {idx}, but the base model has {L} layers")
-        if not is_targeted(config, module_name):
+        if config.get("target_modules") is not None and not is_targeted(config, module_name):
             raise ValueError(f"{file}: tensor {key!r} is for module {module_name!r}, which {ADAPTER_CONFIG} does "
                              f"not target (target_modules={config.get('target_modules')!r}, layers_to_transform="
                              f"{config.get('layers_to_transform')!r}, exclude_modules="
@@ -493,10 +504,12 @@ def load_adapter(
         meta = json.loads(meta_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"malformed {meta_file}: {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != JLORA_ADAPTER_FORMAT:
-        raise ValueError(f"{meta_file}: not a jlora adapter (format={meta.get('format') if isinstance(meta, dict) else None!r})")
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt != JLORA_ADAPTER_FORMAT:
+        raise ValueError(f"{meta_file}: not a jlora adapter (format={fmt!r}, expected {JLORA_ADAPTER_FORMAT!r})")
     if meta.get("version") != JLORA_ADAPTER_VERSION:
-        raise ValueError(f"{meta_file}: version {meta.get('version')!r}; this jlora reads version {JLORA_ADAPTER_VERSION}")
+        raise ValueError(f"{meta_file}: version {meta.get('version')!r}; this jlora reads version "
+                         f"{JLORA_ADAPTER_VERSION}")
     if not (path / "weights").is_dir():
         raise FileNotFoundError(f"no orbax 'weights' checkpoint in {str(path)!r}")
     try:

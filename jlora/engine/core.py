@@ -116,6 +116,10 @@ class LLMEngine:
                     seq.slot = self.adapters.acquire(seq.lora)
                 except NoFreeSlotError:
                     return  # every slot is pinned by running requests; wait for one to finish
+                except (ValueError, FileNotFoundError, ImportError) as e:
+                    # The adapter changed on disk after add_request checked it: fail this request alone.
+                    self._finish(seq, "abort", f"adapter error: {e}")
+                    continue
             self.waiting.popleft()
             seq.row = self.free_rows.pop(0)
             seq.state = SeqState.PREFILL

@@ -1,0 +1,23 @@
+"""LoRA adapters: PEFT conversion (`peft`), requests (`request`), device slots (`manager`).
+
+`from jlora.adapters import X` works for every name below; the JAX-heavy modules load on first use,
+so `from jlora import LoRARequest` stays light.
+"""
+
+from jlora.adapters.request import LoRARequest
+
+_LAZY = {
+    "AdapterManager": "manager", "NoFreeSlotError": "manager", "padded_update": "manager", "set_slot": "manager",
+    "LoRAAdapter": "peft", "convert": "peft", "convert_main": "peft", "load_adapter": "peft",
+    "read_adapter": "peft", "read_peft_adapter": "peft", "save_adapter": "peft",
+}
+
+__all__ = ["LoRARequest", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"jlora.adapters.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'jlora.adapters' has no attribute {name!r}")

@@ -1,0 +1,402 @@
+"""Device adapter slots: one jitted `set_slot`, and the AdapterManager that decides what goes where.
+
+All slots live in one fixed-shape pytree (see DESIGN.md):
+
+    lora_state[module] = {"A": [L, N, in, R], "B": [L, N, R, out]}
+
+`set_slot` writes one adapter into one slot. The slot is a traced int32 scalar and the update is
+already zero-padded to R on the host, so one compiled graph serves every slot, adapter and rank;
+the old state is donated, so there is never a second copy of it in memory.
+
+AdapterManager keeps a host LRU cache of converted adapters (`max_cpu_loras`) and N device slots.
+`acquire(req)` pins a slot holding the request's adapter (loading it if needed, evicting the least
+recently used unpinned slot); `release(slot)` unpins it (pins are counted).
+
+Versions. A name is one adapter. A request for a known name whose lora_int_id or lora_path
+differs, or whose files changed on disk (mtime/size) since they were read, is a new version: it
+is loaded (a bad one raises and changes nothing), the old version leaves the host cache, and the
+old version's slot is retired: freed at once if unpinned, else when its last pin is released.
+Requests already running keep the weights they started with; no request ever gets weights other
+than those at its own LoRARequest's path. One lora_int_id used for two different names at once
+is rejected (ValueError), since vLLM identifies adapters by that id.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jlora.adapters.peft import (
+    ADAPTER_CONFIG, BIN_FILE, JLORA_ADAPTER_META, SAFETENSORS_FILE, LoRAAdapter, read_adapter,
+)
+from jlora.adapters.request import LoRARequest
+from jlora.models.config import LlamaConfig
+from jlora.models.llama import LORA_MODULES, LoRAState, init_lora_state
+
+
+class NoFreeSlotError(RuntimeError):
+    """Every device slot is pinned by a running request; retry after one is released."""
+
+
+# ---- the one jitted write -----------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_slot_jit(lora_state: LoRAState, slot: jax.Array, update: dict[str, dict[str, jax.Array]]) -> LoRAState:
+    out = {}
+    for m, s in lora_state.items():
+        a = update[m]["A"][:, None].astype(s["A"].dtype)  # [L, 1, in, R]
+        b = update[m]["B"][:, None].astype(s["B"].dtype)  # [L, 1, R, out]
+        out[m] = {"A": lax.dynamic_update_slice(s["A"], a, (0, slot, 0, 0)),
+                  "B": lax.dynamic_update_slice(s["B"], b, (0, slot, 0, 0))}
+    return out
+
+
+def set_slot(
+    lora_state: LoRAState,  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}; donated
+    slot: int | jax.Array,  # i32 scalar in [0, N)
+    update: dict[str, dict[str, Any]],  # module -> {"A": [L, in, R], "B": [L, R, out]}, zero-padded to R
+) -> LoRAState:
+    """Write `update` into slot `slot` of `lora_state`; returns the new state (the old one is deleted).
+
+    One compiled graph for every slot and adapter: the slot is traced and shapes never change.
+    Every module of `lora_state` must be in `update` (zeros for modules an adapter lacks), so a
+    write also clears what the slot held before. Host arrays are cast to the state's dtype first.
+    """
+    if set(update) != set(lora_state):
+        raise ValueError(f"set_slot: update has modules {sorted(update)}, lora_state has {sorted(lora_state)}")
+    n = next(iter(lora_state.values()))["A"].shape[1]
+    if isinstance(slot, (int, np.integer)):
+        if isinstance(slot, bool) or not 0 <= int(slot) < n:
+            raise ValueError(f"set_slot: slot={slot!r} must be in [0, {n})")
+        slot = np.int32(slot)
+    elif not (hasattr(slot, "shape") and slot.shape == () and jnp.issubdtype(slot.dtype, jnp.integer)):
+        raise ValueError(f"set_slot: slot must be an int scalar, got {slot!r}")
+    elif slot.dtype != jnp.int32:
+        slot = slot.astype(jnp.int32)
+    upd = {}
+    for m, s in lora_state.items():
+        u = update[m]
+        if set(u) != {"A", "B"}:
+            raise ValueError(f"set_slot: update[{m!r}] must have keys 'A' and 'B', got {sorted(u)}")
+        want_a = s["A"].shape[:1] + s["A"].shape[2:]
+        want_b = s["B"].shape[:1] + s["B"].shape[2:]
+        if tuple(u["A"].shape) != want_a:
+            raise ValueError(f"set_slot: update[{m!r}]['A'] has shape {tuple(u['A'].shape)}, expected {want_a} "
+                             f"[L, in, R] (pad the rank to R on the host)")
+        if tuple(u["B"].shape) != want_b:
+            raise ValueError(f"set_slot: update[{m!r}]['B'] has shape {tuple(u['B'].shape)}, expected {want_b} "
+                             f"[L, R, out] (pad the rank to R on the host)")
+        upd[m] = {k: _as_dtype(u[k], s[k].dtype) for k in ("A", "B")}
+    return _set_slot_jit(lora_state, slot, upd)
+
+
+def _as_dtype(x: Any, dtype: Any) -> Any:
+    if isinstance(x, jax.Array):
+        return x if x.dtype == dtype else x.astype(dtype)
+    return np.asarray(x, dtype=dtype)
+
+
+def padded_update(
+    adapter: LoRAAdapter | None,
+    model_cfg: LlamaConfig,
+    max_rank: int,
+    modules: tuple[str, ...] = LORA_MODULES,
+    dtype: Any = np.float32,
+) -> dict[str, dict[str, np.ndarray]]:
+    """Host arrays for `set_slot`: every module in `modules`, rank zero-padded to `max_rank`.
+
+    `adapter=None` gives all zeros (an empty slot).
+    """
+    shapes = model_cfg.module_shapes()
+    L = model_cfg.num_hidden_layers
+    dtype = np.dtype(dtype)
+    if adapter is not None:
+        extra = sorted(set(adapter.weights) - set(modules))
+        if extra:
+            raise ValueError(f"adapter {adapter.name!r} targets modules {extra} that this engine's LoRA state does "
+                             f"not hold (it holds {list(modules)})")
+        if adapter.rank > max_rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, above max_lora_rank={max_rank}")
+    out = {}
+    for m in modules:
+        d_in, d_out = shapes[m]
+        a = np.zeros((L, d_in, max_rank), dtype)
+        b = np.zeros((L, max_rank, d_out), dtype)
+        if adapter is not None and m in adapter.weights:
+            wa, wb = adapter.weights[m]
+            r = wa.shape[-1]
+            a[:, :, :r] = wa
+            b[:, :r, :] = wb
+        out[m] = {"A": a, "B": b}
+    return out
+
+
+# ---- the manager ----------------------------------------------------------------------------------------
+
+_Version = tuple  # (name, int_id, resolved path, file fingerprint)
+
+
+@dataclasses.dataclass
+class _Slot:
+    version: _Version
+    pins: int = 0
+    last_used: int = 0
+    stale: bool = False  # an older version of its name: never handed out again, freed when unpinned
+
+    @property
+    def name(self) -> str:
+        return self.version[0]
+
+    @property
+    def int_id(self) -> int:
+        return self.version[1]
+
+
+def _fingerprint(path: Path) -> tuple:
+    """(name, mtime_ns, size) of the files that define the adapter at `path`."""
+    if not path.exists():
+        raise FileNotFoundError(f"adapter path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"adapter path {str(path)!r} is not a directory")
+    files = [path / JLORA_ADAPTER_META, path / ADAPTER_CONFIG, path / SAFETENSORS_FILE, path / BIN_FILE]
+    weights = path / "weights"
+    if weights.is_dir():
+        files += sorted(p for p in weights.rglob("*") if p.is_file())
+    out = []
+    for f in files:
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            continue
+        out.append((str(f.relative_to(path)), st.st_mtime_ns, st.st_size))
+    return tuple(out)
+
+
+class AdapterManager:
+    """N device slots of LoRA weights plus a host LRU cache of converted adapters."""
+
+    def __init__(
+        self,
+        model_cfg: LlamaConfig,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int | None = None,
+        dtype: Any = jnp.float32,
+        modules: tuple[str, ...] = LORA_MODULES,
+    ):
+        for name, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"AdapterManager: {name} must be a positive int, got {v!r}")
+        if max_cpu_loras is None:
+            max_cpu_loras = max_loras
+        if isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int) or max_cpu_loras < 0:
+            raise ValueError(f"AdapterManager: max_cpu_loras must be an int >= 0, got {max_cpu_loras!r}")
+        self.model_cfg = model_cfg
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.dtype = dtype
+        self.modules = tuple(modules)
+        self.lora_state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, dtype, self.modules)
+        self._slots: list[_Slot | None] = [None] * max_loras
+        self._host: collections.OrderedDict[_Version, LoRAAdapter] = collections.OrderedDict()
+        self._clock = 0
+        self._lock = threading.RLock()
+        self.stats = collections.Counter()  # disk_loads, host_hits, slot_hits, slot_writes, evictions
+
+    # ---- public API -----------------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Compile `set_slot` now (writes zeros into a free slot; a no-op once anything is loaded)."""
+        with self._lock:
+            free = [i for i, s in enumerate(self._slots) if s is None]
+            if free:
+                self._write(free[0], None)
+
+    def prepare(self, req: LoRARequest) -> None:
+        """Read and convert `req`'s adapter into the host cache unless it is already resident.
+
+        Touches no slot. Raises ValueError / FileNotFoundError for a bad adapter, so a caller can
+        reject a request up front instead of when it is scheduled.
+        """
+        self._check_request(req)
+        with self._lock:
+            version = self._version(req)
+            self._check_int_id(req)
+            if any(s is not None and not s.stale and s.version == version for s in self._slots):
+                return
+            self._load(version, req)
+
+    def acquire(self, req: LoRARequest | None) -> int:
+        """A pinned device slot holding `req`'s adapter (-1 for None = base model).
+
+        Reuses the slot if the adapter is resident; otherwise loads it (host cache, else disk)
+        into a free slot or the least recently used unpinned one. Raises NoFreeSlotError when all
+        slots are pinned, and ValueError/FileNotFoundError for a bad adapter; in both cases no
+        slot changes.
+        """
+        if req is None:
+            return -1
+        self._check_request(req)
+        with self._lock:
+            version = self._version(req)
+            self._check_int_id(req)
+            for i, s in enumerate(self._slots):
+                if s is not None and not s.stale and s.version == version:
+                    s.pins += 1
+                    s.last_used = self._tick()
+                    self.stats["slot_hits"] += 1
+                    return i
+            # An unpinned older version of this name will be retired: its slot counts as free.
+            victim = self._pick_slot(also_free=lambda s: s.name == req.lora_name)
+            if victim is None:
+                raise NoFreeSlotError(
+                    f"all {self.max_loras} adapter slots are pinned by running requests "
+                    f"({', '.join(repr(s.name) for s in self._slots if s is not None)}); cannot load "
+                    f"{req.lora_name!r} until one is released (or raise max_loras)")
+            adapter = self._load(version, req)  # may raise: nothing has changed yet
+            update = padded_update(adapter, self.model_cfg, self.max_lora_rank, self.modules, self.dtype)
+            self._retire_other_versions(version)
+            if self._slots[victim] is not None:
+                self.stats["evictions"] += 1
+            self._write(victim, update)
+            self._slots[victim] = _Slot(version, pins=1, last_used=self._tick())
+            return victim
+
+    def release(self, slot: int) -> None:
+        """Unpin one acquire of `slot` (-1 is the base model: a no-op)."""
+        if slot is None or slot == -1:
+            return
+        with self._lock:
+            if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.max_loras:
+                raise ValueError(f"release: slot={slot!r} must be -1 or in [0, {self.max_loras})")
+            s = self._slots[slot]
+            if s is None or s.pins <= 0:
+                raise ValueError(f"release: slot {slot} is not pinned")
+            s.pins -= 1
+            s.last_used = self._tick()
+            if s.pins == 0 and s.stale:
+                self._slots[slot] = None
+
+    def unload(self, name: str) -> bool:
+        """Forget adapter `name`: drop it from the host cache and free its slot (at once if unpinned,
+        else when released). Returns whether anything was known under that name."""
+        with self._lock:
+            found = False
+            for v in [v for v in self._host if v[0] == name]:
+                del self._host[v]
+                found = True
+            for i, s in enumerate(self._slots):
+                if s is not None and s.name == name:
+                    found = found or not s.stale
+                    if s.pins == 0:
+                        self._slots[i] = None
+                    else:
+                        s.stale = True
+            return found
+
+    def list_adapters(self) -> list[str]:
+        """Names of adapters the manager holds, on the host or in a slot (current versions)."""
+        with self._lock:
+            names = {v[0] for v in self._host}
+            names |= {s.name for s in self._slots if s is not None and not s.stale}
+            return sorted(names)
+
+    def resident(self) -> dict[int, str]:
+        """slot -> adapter name for every slot serving a current adapter version."""
+        with self._lock:
+            return {i: s.name for i, s in enumerate(self._slots) if s is not None and not s.stale}
+
+    def pins(self, slot: int) -> int:
+        with self._lock:
+            s = self._slots[slot]
+            return 0 if s is None else s.pins
+
+    def slot_of(self, name: str) -> int | None:
+        """The slot serving the current version of `name`, if resident."""
+        with self._lock:
+            for i, s in enumerate(self._slots):
+                if s is not None and not s.stale and s.name == name:
+                    return i
+            return None
+
+    # ---- internals ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_request(req: Any) -> None:
+        if not isinstance(req, LoRARequest):
+            raise ValueError(f"expected a LoRARequest, got {type(req).__name__}")
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _version(self, req: LoRARequest) -> _Version:
+        path = Path(req.lora_path).expanduser().resolve()
+        return (req.lora_name, req.lora_int_id, str(path), _fingerprint(path))
+
+    def _check_int_id(self, req: LoRARequest) -> None:
+        known = [v for v in self._host] + [s.version for s in self._slots if s is not None and not s.stale]
+        for name, int_id, *_ in known:
+            if int_id == req.lora_int_id and name != req.lora_name:
+                raise ValueError(f"lora_int_id={req.lora_int_id} is already used by adapter {name!r}; "
+                                 f"{req.lora_name!r} needs its own id (or unload {name!r} first)")
+
+    def _pick_slot(self, also_free) -> int | None:
+        best, best_key = None, None
+        for i, s in enumerate(self._slots):
+            if s is None:
+                key = (0, 0, i)  # free slots first, lowest index
+            elif s.pins == 0:
+                key = (1 if also_free(s) else 2, s.last_used, i)
+            else:
+                continue
+            if best_key is None or key < best_key:
+                best, best_key = i, key
+        return best
+
+    def _load(self, version: _Version, req: LoRARequest) -> LoRAAdapter:
+        adapter = self._host.get(version)
+        if adapter is not None:
+            self._host.move_to_end(version)
+            self.stats["host_hits"] += 1
+            return adapter
+        adapter = read_adapter(version[2], self.model_cfg, self.max_lora_rank, name=req.lora_name)
+        extra = sorted(set(adapter.weights) - set(self.modules))
+        if extra:
+            raise ValueError(f"adapter {req.lora_name!r} at {req.lora_path!r} targets modules {extra} that this "
+                             f"engine's LoRA state does not hold ({list(self.modules)})")
+        self.stats["disk_loads"] += 1
+        if self.max_cpu_loras > 0:
+            for v in [v for v in self._host if v[0] == version[0] and v != version]:
+                del self._host[v]  # an older version of the same name
+            self._host[version] = adapter
+            while len(self._host) > self.max_cpu_loras:
+                self._host.popitem(last=False)
+        return adapter
+
+    def _retire_other_versions(self, version: _Version) -> None:
+        for v in [v for v in self._host if v[0] == version[0] and v != version]:
+            del self._host[v]
+        for i, s in enumerate(self._slots):
+            if s is not None and s.name == version[0] and s.version != version:
+                if s.pins == 0:
+                    self._slots[i] = None
+                else:
+                    s.stale = True
+
+    def _write(self, slot: int, update: dict[str, dict[str, np.ndarray]] | None) -> None:
+        if update is None:
+            update = padded_update(None, self.model_cfg, self.max_lora_rank, self.modules, self.dtype)
+        self.lora_state = set_slot(self.lora_state, slot, update)
+        self.stats["slot_writes"] += 1

@@ -1,0 +1,564 @@
+"""Adapters without PyTorch: PEFT conversion rules and rejections on synthetic PEFT directories,
+orbax round trip, the one-graph donated `set_slot`, and AdapterManager's slots, pins and caches.
+
+(Parity of the converted weights against the real `peft` library is in test_peft_parity_tiny.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jlora.adapters import (
+    AdapterManager, LoRAAdapter, LoRARequest, NoFreeSlotError, convert, convert_main, load_adapter, padded_update,
+    read_adapter, read_peft_adapter, save_adapter, set_slot,
+)
+from jlora.models import LlamaConfig, init_lora_state
+
+CFG = LlamaConfig.preset("tiny")  # L=2, D=64, F=96, H=4 x 16, KVH=2
+SHAPES = CFG.module_shapes()
+PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def peft_key(layer: int, mod: str, ab: str, prefix: str = "base_model.model.", adapter: str = "") -> str:
+    mid = f".{adapter}" if adapter else ""
+    return f"{prefix}model.layers.{layer}.{PARENT[mod]}.{mod}.lora_{ab}{mid}.weight"
+
+
+def write_peft(
+    path: Path,
+    modules=("q_proj", "v_proj"),
+    r: int = 4,
+    alpha: float = 8,
+    layers=(0, 1),
+    ranks: dict | None = None,  # (layer, module) -> rank, overrides r for the tensors
+    config: dict | None = None,
+    extra_tensors: dict | None = None,
+    seed: int = 0,
+    key_prefix: str = "base_model.model.",
+    adapter_in_key: str = "",
+) -> dict[str, np.ndarray]:
+    """A PEFT-format LoRA directory with random tensors; returns the tensors."""
+    rng = np.random.default_rng(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for i in layers:
+        for m in modules:
+            rr = (ranks or {}).get((i, m), r)
+            d_in, d_out = SHAPES[m]
+            tensors[peft_key(i, m, "A", key_prefix, adapter_in_key)] = rng.normal(size=(rr, d_in)).astype(np.float32)
+            tensors[peft_key(i, m, "B", key_prefix, adapter_in_key)] = rng.normal(size=(d_out, rr)).astype(np.float32)
+    tensors.update(extra_tensors or {})
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(modules), "bias": "none",
+           "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+           "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
+    cfg.update(config or {})
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return tensors
+
+
+# ---- LoRARequest ------------------------------------------------------------------------------------
+
+
+def test_lora_request_validation(tmp_path):
+    req = LoRARequest("sql", 1, tmp_path)
+    assert req.lora_path == str(tmp_path) and req.adapter_id == 1 and req.name == "sql" and req.path == str(tmp_path)
+    for bad in (0, -3, True, 1.0, "1"):
+        with pytest.raises(ValueError, match="lora_int_id"):
+            LoRARequest("sql", bad, "x")
+    with pytest.raises(ValueError, match="lora_name"):
+        LoRARequest("", 1, "x")
+    with pytest.raises(ValueError, match="lora_path"):
+        LoRARequest("a", 1, "")
+
+
+# ---- conversion rules -------------------------------------------------------------------------------
+
+
+def test_convert_layout_and_scale(tmp_path):
+    t = write_peft(tmp_path / "a", modules=("q_proj", "down_proj"), r=4, alpha=8)
+    ad = read_peft_adapter(tmp_path / "a", CFG, max_lora_rank=8)
+    assert ad.name == "a" and ad.ranks == {"q_proj": 4, "down_proj": 4} and ad.rank == 4
+    assert set(ad.weights) == {"q_proj", "down_proj"}
+    for m in ("q_proj", "down_proj"):
+        A, B = ad.weights[m]
+        d_in, d_out = SHAPES[m]
+        assert A.shape == (2, d_in, 4) and B.shape == (2, 4, d_out) and A.dtype == B.dtype == np.float32
+        for i in range(2):
+            np.testing.assert_array_equal(A[i], t[peft_key(i, m, "A")].T)
+            np.testing.assert_allclose(B[i], t[peft_key(i, m, "B")].T * 2.0, rtol=1e-6)  # alpha / r
+
+
+def test_rank_alpha_patterns_and_rslora(tmp_path):
+    # rank_pattern for one layer of q_proj; alpha_pattern for v_proj everywhere (peft's suffix match).
+    cfg = {"rank_pattern": {"layers.1.self_attn.q_proj": 6}, "alpha_pattern": {"v_proj": 3}, "use_rslora": True}
+    t = write_peft(tmp_path / "a", r=4, alpha=8, ranks={(1, "q_proj"): 6}, config=cfg)
+    ad = read_peft_adapter(tmp_path / "a", CFG, max_lora_rank=8)
+    assert ad.ranks == {"q_proj": 6, "v_proj": 4}
+    A, B = ad.weights["q_proj"]
+    assert A.shape == (2, 64, 6)
+    np.testing.assert_array_equal(A[0, :, 4:], 0)  # layer 0 has rank 4: zero-padded
+    np.testing.assert_array_equal(B[0, 4:], 0)
+    np.testing.assert_allclose(B[0, :4], t[peft_key(0, "q_proj", "B")].T * (8 / math.sqrt(4)), rtol=1e-6)
+    np.testing.assert_allclose(B[1], t[peft_key(1, "q_proj", "B")].T * (8 / math.sqrt(6)), rtol=1e-6)
+    _, Bv = ad.weights["v_proj"]
+    np.testing.assert_allclose(Bv[1], t[peft_key(1, "v_proj", "B")].T * (3 / math.sqrt(4)), rtol=1e-6)
+
+
+def test_pattern_key_first_match_wins(tmp_path):
+    # peft's get_pattern_key returns the first key (dict order) that matches.
+    cfg = {"alpha_pattern": {"q_proj": 2, "layers.0.self_attn.q_proj": 100}}
+    t = write_peft(tmp_path / "a", modules=("q_proj",), r=4, alpha=8, config=cfg)
+    B = read_peft_adapter(tmp_path / "a", CFG).weights["q_proj"][1]
+    np.testing.assert_allclose(B[0], t[peft_key(0, "q_proj", "B")].T * 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("prefix,adapter", [("", ""), ("base_model.model.", "default"), ("", "default")])
+def test_key_variants(tmp_path, prefix, adapter):
+    t = write_peft(tmp_path / "a", modules=("k_proj",), key_prefix=prefix, adapter_in_key=adapter)
+    A, _ = read_peft_adapter(tmp_path / "a", CFG).weights["k_proj"]
+    np.testing.assert_array_equal(A[1], t[peft_key(1, "k_proj", "A", prefix, adapter)].T)
+
+
+def test_layers_to_transform(tmp_path):
+    for i, cfg in enumerate([{"layers_to_transform": [1]}, {"layers_to_transform": 1},
+                             {"layers_to_transform": [1], "layers_pattern": "layers"}]):
+        write_peft(tmp_path / f"a{i}", modules=("o_proj",), layers=(1,), config=cfg)
+        A, B = read_peft_adapter(tmp_path / f"a{i}", CFG).weights["o_proj"]
+        np.testing.assert_array_equal(A[0], 0)
+        np.testing.assert_array_equal(B[0], 0)
+        assert np.abs(A[1]).sum() > 0
+    # A tensor for a layer the config does not transform is inconsistent.
+    write_peft(tmp_path / "bad", modules=("o_proj",), layers=(0, 1), config={"layers_to_transform": [1]})
+    with pytest.raises(ValueError, match="does not target"):
+        read_peft_adapter(tmp_path / "bad", CFG)
+    # ...and so is a targeted layer with no tensors.
+    write_peft(tmp_path / "missing", modules=("o_proj",), layers=(1,))
+    with pytest.raises(ValueError, match="no lora_A/lora_B tensors for 'model.layers.0.self_attn.o_proj'"):
+        read_peft_adapter(tmp_path / "missing", CFG)
+
+
+def test_target_modules_regex_all_linear_exclude(tmp_path):
+    write_peft(tmp_path / "re", modules=("gate_proj", "up_proj"),
+               config={"target_modules": r".*\.mlp\.(gate|up)_proj"})
+    assert set(read_peft_adapter(tmp_path / "re", CFG).weights) == {"gate_proj", "up_proj"}
+    all7 = tuple(PARENT)
+    write_peft(tmp_path / "all", modules=all7, r=2, config={"target_modules": "all-linear"})
+    ad = read_peft_adapter(tmp_path / "all", CFG)
+    assert set(ad.weights) == set(all7) and set(ad.ranks.values()) == {2}
+    write_peft(tmp_path / "ex", modules=("q_proj", "k_proj"),
+               config={"target_modules": ["q_proj", "k_proj", "v_proj"], "exclude_modules": ["v_proj"]})
+    assert set(read_peft_adapter(tmp_path / "ex", CFG).weights) == {"q_proj", "k_proj"}
+    # no target_modules in the config (hand-written): the tensors present say what is targeted
+    write_peft(tmp_path / "none", modules=("v_proj",), config={"target_modules": None})
+    assert set(read_peft_adapter(tmp_path / "none", CFG).weights) == {"v_proj"}
+    # fan_in_fan_out only concerns the base layer's layout; lora_A/B are the same.
+    write_peft(tmp_path / "fifo", config={"fan_in_fan_out": True})
+    read_peft_adapter(tmp_path / "fifo", CFG)
+
+
+def test_bf16_safetensors(tmp_path):
+    import ml_dtypes
+
+    t = write_peft(tmp_path / "a", modules=("q_proj",))
+    # Re-save as bfloat16 by hand (safetensors.numpy cannot write bf16): header + raw bytes.
+    header, blobs, off = {}, [], 0
+    for k, v in t.items():
+        b = v.astype(ml_dtypes.bfloat16).tobytes()
+        header[k] = {"dtype": "BF16", "shape": list(v.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+    A, _ = read_peft_adapter(tmp_path / "a", CFG).weights["q_proj"]
+    want = t[peft_key(0, "q_proj", "A")].astype(ml_dtypes.bfloat16).astype(np.float32).T
+    np.testing.assert_array_equal(A[0], want)
+
+
+def test_adapter_model_bin(tmp_path):
+    torch = pytest.importorskip("torch")
+    t = write_peft(tmp_path / "a", modules=("v_proj",))
+    os.remove(tmp_path / "a" / "adapter_model.safetensors")
+    torch.save({k: torch.from_numpy(v) for k, v in t.items()}, tmp_path / "a" / "adapter_model.bin")
+    A, _ = read_peft_adapter(tmp_path / "a", CFG).weights["v_proj"]
+    np.testing.assert_array_equal(A[0], t[peft_key(0, "v_proj", "A")].T)
+    (tmp_path / "a" / "adapter_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match="adapter_model.bin"):
+        read_peft_adapter(tmp_path / "a", CFG)
+
+
+# ---- rejections ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [
+    ("use_dora", True), ("modules_to_save", ["lm_head"]), ("trainable_token_indices", [1, 2]),
+    ("lora_bias", True), ("bias", "all"), ("bias", "lora_only"), ("target_parameters", ["mlp.experts.weight"]),
+    ("peft_type", "IA3"), ("target_modules", "(q_proj"), ("rank_pattern", {"[": 4}), ("layer_replication", [[0, 2]]), ("init_lora_weights", "pissa"), ("r", 0),
+])
+def test_rejects_config_fields(tmp_path, field, value):
+    write_peft(tmp_path / "a", config={field: value})
+    with pytest.raises(ValueError, match=field):
+        read_peft_adapter(tmp_path / "a", CFG)
+
+
+@pytest.mark.parametrize("key,shape,match", [
+    ("base_model.model.model.embed_tokens.lora_embedding_A", (4, 256), "embed_tokens"),
+    ("base_model.model.lm_head.lora_A.weight", (4, 64), "lm_head"),
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", (64,), "DoRA"),
+    ("base_model.model.model.embed_tokens.weight", (256, 64), "embed_tokens"),
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", (64,), "bias"),
+    ("base_model.model.model.layers.0.input_layernorm.weight", (64,), "unsupported tensor"),
+])
+def test_rejects_tensors(tmp_path, key, shape, match):
+    write_peft(tmp_path / "a", extra_tensors={key: np.zeros(shape, np.float32)})
+    with pytest.raises(ValueError, match=match) as e:
+        read_peft_adapter(tmp_path / "a", CFG)
+    assert key in str(e.value)
+
+
+def test_rejects_shape_mismatch_naming_tensor(tmp_path):
+    t = write_peft(tmp_path / "a")
+    key = peft_key(1, "v_proj", "B")
+    t[key] = np.zeros((48, 4), np.float32)  # base v_proj has 32 outputs
+    save_file(t, str(tmp_path / "a" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"has shape \(48, 4\), expected \(32, 4\)") as e:
+        read_peft_adapter(tmp_path / "a", CFG)
+    assert key in str(e.value)
+    # rank in the tensors disagreeing with r in the config
+    write_peft(tmp_path / "b", r=4, ranks={(0, "q_proj"): 5})
+    with pytest.raises(ValueError, match=r"expected \(4, 64\)"):
+        read_peft_adapter(tmp_path / "b", CFG)
+
+
+def test_rejects_rank_above_max(tmp_path):
+    write_peft(tmp_path / "a", r=16, alpha=16)
+    with pytest.raises(ValueError, match="max_lora_rank=8"):
+        read_peft_adapter(tmp_path / "a", CFG, max_lora_rank=8)
+    write_peft(tmp_path / "b", r=4, ranks={(1, "v_proj"): 12},
+               config={"rank_pattern": {"model.layers.1.self_attn.v_proj": 12}})
+    with pytest.raises(ValueError, match="rank r=12.*max_lora_rank=8"):
+        read_peft_adapter(tmp_path / "b", CFG, max_lora_rank=8)
+
+
+def test_rejects_missing_and_corrupt_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_peft_adapter(tmp_path / "nope", CFG)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        read_peft_adapter(tmp_path / "empty", CFG)
+    write_peft(tmp_path / "a")
+    data = (tmp_path / "a" / "adapter_model.safetensors").read_bytes()
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(data[:-10])  # truncated
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        read_peft_adapter(tmp_path / "a", CFG)
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"\x05garbage")
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        read_peft_adapter(tmp_path / "a", CFG)
+    os.remove(tmp_path / "a" / "adapter_model.safetensors")
+    with pytest.raises(FileNotFoundError, match="adapter_model.safetensors"):
+        read_peft_adapter(tmp_path / "a", CFG)
+    write_peft(tmp_path / "b")
+    (tmp_path / "b" / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="malformed"):
+        read_peft_adapter(tmp_path / "b", CFG)
+    (tmp_path / "b" / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        read_peft_adapter(tmp_path / "b", CFG)
+
+
+def test_rejects_inconsistent_tensors(tmp_path):
+    t = write_peft(tmp_path / "a")
+    del t[peft_key(0, "q_proj", "B")]
+    save_file(t, str(tmp_path / "a" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="no lora_B"):
+        read_peft_adapter(tmp_path / "a", CFG)
+    write_peft(tmp_path / "b", layers=(0, 1, 2), config={})  # tiny has 2 layers
+    with pytest.raises(ValueError, match="layer 2"):
+        read_peft_adapter(tmp_path / "b", CFG)
+    t = write_peft(tmp_path / "c")
+    t[peft_key(0, "q_proj", "A")][0, 0] = np.nan
+    save_file(t, str(tmp_path / "c" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="NaN"):
+        read_peft_adapter(tmp_path / "c", CFG)
+
+
+# ---- orbax round trip ---------------------------------------------------------------------------------
+
+
+def test_orbax_round_trip_and_convert(tmp_path, capsys):
+    write_peft(tmp_path / "src", modules=("q_proj", "up_proj"), r=4,
+               ranks={(0, "up_proj"): 2}, config={"rank_pattern": {"layers.0.mlp.up_proj": 2}})
+    ad = convert(tmp_path / "src", tmp_path / "dst", CFG, max_lora_rank=8)
+    back = load_adapter(tmp_path / "dst", CFG, max_lora_rank=8)
+    assert back.name == "src" and back.ranks == ad.ranks == {"q_proj": 4, "up_proj": 4}
+    for m in ad.weights:
+        for x, y in zip(ad.weights[m], back.weights[m]):
+            assert y.dtype == np.float32
+            np.testing.assert_array_equal(x, y)
+    # read_adapter accepts either kind of directory
+    np.testing.assert_array_equal(read_adapter(tmp_path / "dst", CFG).weights["q_proj"][0], ad.weights["q_proj"][0])
+    # checked against the base model and max rank on load
+    other = LlamaConfig(**{**CFG.__dict__, "hidden_size": 32, "head_dim": 8})
+    with pytest.raises(ValueError, match="expected"):
+        load_adapter(tmp_path / "dst", other)
+    with pytest.raises(ValueError, match="max_lora_rank=2"):
+        load_adapter(tmp_path / "dst", CFG, max_lora_rank=2)
+    with pytest.raises(FileNotFoundError):
+        load_adapter(tmp_path / "src")
+    (tmp_path / "dst" / "jlora_adapter.json").write_text("{")
+    with pytest.raises(ValueError, match="malformed"):
+        load_adapter(tmp_path / "dst")
+
+
+def test_convert_main(tmp_path, capsys):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": CFG.vocab_size, "hidden_size": CFG.hidden_size,
+        "intermediate_size": CFG.intermediate_size, "num_hidden_layers": CFG.num_hidden_layers,
+        "num_attention_heads": CFG.num_attention_heads, "num_key_value_heads": CFG.num_key_value_heads}))
+    write_peft(tmp_path / "src")
+    assert convert_main([str(tmp_path / "src"), str(tmp_path / "dst"), "--model", str(base),
+                         "--max-lora-rank", "8"]) == 0
+    assert "converted" in capsys.readouterr().out
+    assert load_adapter(tmp_path / "dst", CFG).ranks == {"q_proj": 4, "v_proj": 4}
+
+
+# ---- set_slot -----------------------------------------------------------------------------------------
+
+
+def _random_adapter(seed: int, modules, rank: int, name: str = "x") -> LoRAAdapter:
+    rng = np.random.default_rng(seed)
+    w = {m: (rng.normal(size=(CFG.num_hidden_layers, SHAPES[m][0], rank)).astype(np.float32),
+             rng.normal(size=(CFG.num_hidden_layers, rank, SHAPES[m][1])).astype(np.float32)) for m in modules}
+    return LoRAAdapter(name=name, ranks={m: rank for m in modules}, weights=w)
+
+
+class CompileCounter:
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.n += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def test_set_slot_one_graph_donated_and_correct():
+    N, R = 3, 8  # shapes used by no other test, so the first write compiles here
+    state = init_lora_state(CFG, N, R)
+    jax.block_until_ready(state)
+    adapters = [_random_adapter(0, ("q_proj", "v_proj"), 4), _random_adapter(1, ("down_proj",), 8),
+                _random_adapter(2, tuple(PARENT), 2), _random_adapter(3, ("k_proj",), 1)]
+    dev_slot = jax.device_put(np.int32(1))  # a slot already on device (made outside the count)
+    with CompileCounter() as cc:
+        for k, (slot, ad) in enumerate([(0, adapters[0]), (2, adapters[1]), (1, adapters[2]), (0, adapters[3]),
+                                        (np.int32(2), adapters[2]), (dev_slot, adapters[0])]):
+            old = state
+            state = set_slot(state, slot, padded_update(ad, CFG, R))
+            assert old["q_proj"]["A"].is_deleted() and old["down_proj"]["B"].is_deleted()  # donated
+            if k == 0:
+                first = cc.n
+    assert first <= 1 and cc.n == first, f"set_slot compiled {cc.n} times"
+    # final contents: slot 0 = adapters[3], slot 1 = adapters[0], slot 2 = adapters[2]; others cleared
+    for slot, ad in [(0, adapters[3]), (1, adapters[0]), (2, adapters[2])]:
+        for m in PARENT:
+            A = np.asarray(state[m]["A"][:, slot])
+            B = np.asarray(state[m]["B"][:, slot])
+            if m in ad.weights:
+                r = ad.ranks[m]
+                np.testing.assert_array_equal(A[..., :r], ad.weights[m][0])
+                np.testing.assert_array_equal(B[:, :r], ad.weights[m][1])
+                np.testing.assert_array_equal(A[..., r:], 0)
+            else:
+                np.testing.assert_array_equal(A, 0)
+                np.testing.assert_array_equal(B, 0)
+
+
+def test_set_slot_validates():
+    state = init_lora_state(CFG, 2, 4)
+    upd = padded_update(None, CFG, 4)
+    with pytest.raises(ValueError, match="slot=2"):
+        set_slot(state, 2, upd)
+    with pytest.raises(ValueError, match="slot=-1"):
+        set_slot(state, -1, upd)
+    bad = padded_update(None, CFG, 8)
+    with pytest.raises(ValueError, match=r"update\['q_proj'\]\['A'\] has shape \(2, 64, 8\)"):
+        set_slot(state, 0, bad)
+    with pytest.raises(ValueError, match="modules"):
+        set_slot(state, 0, {"q_proj": upd["q_proj"]})
+    assert not state["q_proj"]["A"].is_deleted()  # nothing was donated on a rejected call
+
+
+def test_padded_update_rejects():
+    with pytest.raises(ValueError, match="max_lora_rank=4"):
+        padded_update(_random_adapter(0, ("q_proj",), 8), CFG, 4)
+    with pytest.raises(ValueError, match="does not hold"):
+        padded_update(_random_adapter(0, ("q_proj",), 2), CFG, 4, modules=("v_proj",))
+
+
+# ---- AdapterManager -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def adapters(tmp_path):
+    """Five PEFT dirs a0..a4 with distinct weights and ranks."""
+    paths = []
+    for i in range(5):
+        p = tmp_path / f"a{i}"
+        write_peft(p, modules=("q_proj", "v_proj") if i % 2 else ("o_proj",), r=1 + i, alpha=2, seed=i)
+        paths.append(p)
+    return paths
+
+
+def _req(i: int, paths, name=None, int_id=None, path=None) -> LoRARequest:
+    return LoRARequest(name or f"a{i}", int_id or i + 1, str(path or paths[i]))
+
+
+def _slot_matches(mgr: AdapterManager, slot: int, path) -> bool:
+    ad = read_peft_adapter(path, CFG)
+    upd = padded_update(ad, CFG, mgr.max_lora_rank)
+    return all(np.array_equal(np.asarray(mgr.lora_state[m][k][:, slot]), upd[m][k])
+               for m in upd for k in ("A", "B"))
+
+
+def _snapshot(mgr):
+    return {m: {k: np.asarray(v) for k, v in s.items()} for m, s in mgr.lora_state.items()}
+
+
+def test_manager_acquire_reuse_pins_lru(adapters):
+    mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8, max_cpu_loras=4)
+    mgr.warmup()
+    assert mgr.acquire(None) == -1
+    s0 = mgr.acquire(_req(0, adapters))
+    s1 = mgr.acquire(_req(1, adapters))
+    assert {s0, s1} == {0, 1} and mgr.resident() == {s0: "a0", s1: "a1"}
+    assert mgr.acquire(_req(0, adapters)) == s0 and mgr.pins(s0) == 2  # resident: same slot, pinned twice
+    assert _slot_matches(mgr, s0, adapters[0]) and _slot_matches(mgr, s1, adapters[1])
+
+    # all pinned -> NoFreeSlotError, nothing changes
+    snap = _snapshot(mgr)
+    with pytest.raises(NoFreeSlotError, match="pinned"):
+        mgr.acquire(_req(2, adapters))
+    assert isinstance(NoFreeSlotError("x"), RuntimeError)
+    assert mgr.resident() == {s0: "a0", s1: "a1"}
+    assert all(np.array_equal(snap[m][k], np.asarray(mgr.lora_state[m][k])) for m in snap for k in ("A", "B"))
+
+    # release: ref-counted; a1 released first, then a0 (fully) -> a1 is least recently used
+    mgr.release(s1)
+    mgr.release(s0)
+    assert mgr.pins(s0) == 1
+    with pytest.raises(NoFreeSlotError):  # a0 still pinned once; a1 unpinned -> evicted, so this works:
+        mgr.acquire(_req(2, adapters)), mgr.acquire(_req(3, adapters))
+    assert mgr.resident() == {s0: "a0", s1: "a2"}  # a2 took a1's slot
+    assert _slot_matches(mgr, s1, adapters[2])
+    mgr.release(s0)
+    mgr.release(s1)
+    mgr.acquire(_req(0, adapters))  # touch a0: now a2 is LRU
+    mgr.release(s0)
+    s3 = mgr.acquire(_req(3, adapters))
+    assert s3 == s1 and mgr.resident() == {s0: "a0", s1: "a3"} and _slot_matches(mgr, s1, adapters[3])
+    assert mgr.stats["evictions"] == 2
+    with pytest.raises(ValueError, match="not pinned"):
+        mgr.release(s0)
+    with pytest.raises(ValueError, match="slot=7"):
+        mgr.release(7)
+    mgr.release(-1)
+
+
+def test_manager_host_cache_lru(adapters):
+    mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, max_cpu_loras=2)
+    for i in (0, 1, 0, 2, 0, 1):  # host cache keeps 2: a0 stays hot, a1 falls out when a2 arrives
+        mgr.release(mgr.acquire(_req(i, adapters)))
+    assert mgr.stats["disk_loads"] == 4 and mgr.stats["host_hits"] == 2
+    assert mgr.list_adapters() == ["a0", "a1"]
+    assert _slot_matches(mgr, 0, adapters[1])
+    mgr.prepare(_req(3, adapters))  # into the host cache only
+    assert mgr.resident() == {0: "a1"} and "a3" in mgr.list_adapters()
+    loads = mgr.stats["disk_loads"]
+    mgr.release(mgr.acquire(_req(3, adapters)))
+    assert mgr.stats["disk_loads"] == loads
+
+
+def test_manager_bad_adapter_changes_nothing(adapters, tmp_path):
+    mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=4, max_cpu_loras=4)
+    s = mgr.acquire(_req(0, adapters))
+    mgr.release(s)
+    snap, res = _snapshot(mgr), mgr.resident()
+    write_peft(tmp_path / "dora", config={"use_dora": True})
+    write_peft(tmp_path / "big", r=8)
+    for req, exc in [(LoRARequest("dora", 10, str(tmp_path / "dora")), ValueError),
+                     (LoRARequest("big", 11, str(tmp_path / "big")), ValueError),
+                     (LoRARequest("gone", 12, str(tmp_path / "gone")), FileNotFoundError)]:
+        with pytest.raises(exc):
+            mgr.acquire(req)
+        with pytest.raises(exc):
+            mgr.prepare(req)
+    assert mgr.resident() == res and mgr.list_adapters() == ["a0"]
+    assert all(np.array_equal(snap[m][k], np.asarray(mgr.lora_state[m][k])) for m in snap for k in ("A", "B"))
+    with pytest.raises(ValueError, match="LoRARequest"):
+        mgr.acquire("a0")
+
+
+def test_manager_versions_never_stale(adapters, tmp_path):
+    mgr = AdapterManager(CFG, max_loras=3, max_lora_rank=8, max_cpu_loras=4)
+    old = mgr.acquire(_req(0, adapters, name="sql"))  # pinned by a "running request"
+    # same name, new path: new weights in a new slot; the running request keeps the old slot
+    new = mgr.acquire(_req(0, adapters, name="sql", path=adapters[1]))
+    assert new != old and _slot_matches(mgr, new, adapters[1]) and _slot_matches(mgr, old, adapters[0])
+    assert mgr.resident() == {new: "sql"} and mgr.slot_of("sql") == new
+    mgr.release(old)  # the retired version's slot is freed on its last release
+    assert mgr.pins(old) == 0
+    # same name and path, new int id: a new version too
+    assert mgr.acquire(_req(0, adapters, name="sql", int_id=7, path=adapters[1])) != new
+    # files rewritten on disk under the same request: reloaded, never served stale
+    p = tmp_path / "live"
+    write_peft(p, seed=1)
+    req = LoRARequest("live", 20, str(p))
+    s = mgr.acquire(req)
+    mgr.release(s)
+    write_peft(p, seed=2)
+    st = os.stat(p / "adapter_model.safetensors")
+    os.utime(p / "adapter_model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    s2 = mgr.acquire(req)
+    assert _slot_matches(mgr, s2, p)
+    # one int id for two names is ambiguous
+    with pytest.raises(ValueError, match="lora_int_id=20 is already used by adapter 'live'"):
+        mgr.acquire(LoRARequest("other", 20, str(adapters[2])))
+
+
+def test_manager_unload(adapters):
+    mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8)
+    s0 = mgr.acquire(_req(0, adapters))
+    s1 = mgr.acquire(_req(1, adapters))
+    mgr.release(s1)
+    assert mgr.unload("a1") and mgr.resident() == {s0: "a0"}
+    assert mgr.unload("a0") and mgr.resident() == {} and mgr.pins(s0) == 1  # pinned: freed on release
+    mgr.release(s0)
+    assert mgr.pins(s0) == 0 and mgr.list_adapters() == []
+    assert not mgr.unload("nope")
+    # both slots free again
+    assert {mgr.acquire(_req(2, adapters)), mgr.acquire(_req(3, adapters))} == {0, 1}
+
+
+def test_manager_serves_converted_dir(adapters, tmp_path):
+    save_adapter(read_peft_adapter(adapters[1], CFG), tmp_path / "conv")
+    mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8)
+    s = mgr.acquire(LoRARequest("conv", 1, str(tmp_path / "conv")))
+    assert _slot_matches(mgr, s, adapters[1]) and mgr.resident() == {0: "conv"}
