@@ -1,0 +1,239 @@
+"""`jlora bench`: the reference workload of DESIGN.md, side by side with transformers(+peft), in one run.
+
+Needs the test extras (torch CPU, transformers, peft): `make bench`. Results go to stdout and,
+with --write, into docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+RANKS = (8, 16, 8, 32)
+TEXT = ("The history of science is the study of the development of science and scientific knowledge, "
+        "including both the natural and social sciences. Science is a body of empirical, theoretical, and "
+        "practical knowledge about the natural world, produced by scientists who emphasize the observation, "
+        "explanation, and prediction of real-world phenomena. ") * 20
+
+
+def make_prompts(tokenizer: Any, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(lo, hi + 1))
+        start = int(rng.integers(0, len(ids) - length))
+        out.append(ids[start: start + length])
+    return out
+
+
+def make_peft_adapters(hf_model: Any, root: Path, ranks=RANKS) -> list[Path]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    paths = []
+    for i, r in enumerate(ranks):
+        torch.manual_seed(i)
+        name = f"bench{i}-r{r}"
+        pm = get_peft_model(hf_model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear",
+                                                 init_lora_weights=False), adapter_name=name)
+        pm.save_pretrained(root, selected_adapters=[name])
+        pm.unload()
+        paths.append(root / name)
+    return paths
+
+
+def measure_roofline() -> dict[str, float]:
+    """Memory bandwidth (GB/s, a reduction over 512 MB) and f32 matmul GFLOP/s, through XLA."""
+    import jax
+    import jax.numpy as jnp
+
+    big = jnp.ones((128 * 1024 * 1024,), jnp.float32)
+    red = jax.jit(lambda x: jnp.sum(x))
+    red(big).block_until_ready()
+    t = min(_timeit(lambda: red(big).block_until_ready()) for _ in range(3))
+    bw = big.nbytes / t / 1e9
+    a = jnp.ones((2048, 2048), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    mm(a).block_until_ready()
+    t = min(_timeit(lambda: mm(a).block_until_ready()) for _ in range(3))
+    return {"mem_gbps": bw, "matmul_gflops": 2 * 2048**3 / t / 1e9}
+
+
+def _timeit(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, adapter_names: list[str] | None = None) -> int:
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), 2, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as transformers expects for batched generation
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kw = {"adapter_names": adapter_names} if adapter_names else {}
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=2, **kw)
+    return int((out.shape[1] - width) * len(prompts))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    from jlora import LLM, LoRARequest, SamplingParams, compile_stats
+    from jlora.models import default_model_path
+
+    torch.set_num_threads(args.threads)
+    path = default_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    tmp = Path(tempfile.mkdtemp(prefix="jlora-bench-"))
+    adapter_paths = make_peft_adapters(hf, tmp)
+    llm = LLM(max_model_len=args.max_model_len, max_num_seqs=16, max_num_batched_tokens=512,
+              max_loras=4, max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=True)
+    prompts = make_prompts(llm.tokenizer, args.requests, 16, 64)
+    reqs = [LoRARequest(p.name, i + 1, str(p)) for i, p in enumerate(adapter_paths)]
+    per_prompt = [reqs[i % 4] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+
+    peft_model = PeftModel.from_pretrained(hf, str(adapter_paths[0]), adapter_name=reqs[0].lora_name)
+    for r, p in zip(reqs[1:], adapter_paths[1:]):
+        peft_model.load_adapter(str(p), adapter_name=r.lora_name)
+    peft_model.eval()
+    names = [r.lora_name for r in per_prompt]
+
+    def jlora_run(loras):
+        def go() -> int:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs)
+        return go
+
+    def hf_base() -> int:
+        with peft_model.disable_adapter():
+            return hf_generate(peft_model, prompts, args.new_tokens)
+
+    def hf_peft() -> int:
+        return hf_generate(peft_model, prompts, args.new_tokens, adapter_names=names)
+
+    systems: dict[str, Callable[[], int]] = {
+        "jlora, 4 adapters mixed": jlora_run(per_prompt),
+        "jlora, no adapters": jlora_run(None),
+        "transformers, no adapters": hf_base,
+        "transformers+peft, 4 adapters mixed": hf_peft,
+    }
+    jlora_run(per_prompt)()  # loads the adapters into slots once (not timed)
+    compiles_before = compile_stats.compile_count()
+    times: dict[str, list[float]] = {k: [] for k in systems}
+    tokens: dict[str, int] = {}
+    for _ in range(args.rounds):  # interleaved rounds, so drift hits every system alike
+        for name, fn in systems.items():
+            t = time.perf_counter()
+            tokens[name] = fn()
+            times[name].append(time.perf_counter() - t)
+    result: dict[str, Any] = {"throughput": {k: tokens[k] / statistics.median(v) for k, v in times.items()}}
+    result["compiles_after_warmup"] = compile_stats.compile_count() - compiles_before
+
+    # Prefill-heavy: 8 requests of 512 prompt tokens, 8 new tokens; time to first token.
+    long_prompts = make_prompts(llm.tokenizer, 8, 512, 512, seed=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in long_prompts],
+                        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        lora_request=[reqs[i % 4] for i in range(8)], use_tqdm=False)
+    ttft = [o.metrics.time_to_first_token for o in outs]
+    result["prefill_heavy"] = {"ttft_median_s": statistics.median(ttft), "ttft_max_s": max(ttft)}
+    t = time.perf_counter()
+    hf_generate(peft_model, long_prompts, 1, adapter_names=[reqs[i % 4].lora_name for i in range(8)])
+    result["prefill_heavy"]["transformers_peft_first_token_s"] = time.perf_counter() - t
+
+    # Adapter churn: 32 distinct adapters through 4 slots, 4 requests at a time.
+    churn = [LoRARequest(f"churn{k}", 100 + k, str(adapter_paths[k % 4])) for k in range(32)]
+    llm.engine.adapters.stats.clear() if hasattr(llm.engine.adapters, "stats") else None
+    t = time.perf_counter()
+    n_tok = 0
+    for k in range(0, 32, 4):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]],
+                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                            lora_request=churn[k:k + 4], use_tqdm=False)
+        n_tok += sum(len(o.outputs[0].token_ids) for o in outs)
+    result["churn"] = {"seconds": time.perf_counter() - t, "tokens_per_s": n_tok / (time.perf_counter() - t)}
+    result["compiles_after_warmup_total"] = compile_stats.compile_count() - compiles_before
+
+    roof = measure_roofline()
+    weight_bytes = sum(x.nbytes for x in __import__("jax").tree.leaves(llm.engine.runner.state))
+    lora_bytes = sum(x.nbytes for x in __import__("jax").tree.leaves(llm.engine.adapters.lora_state))
+    flops_per_token = 2 * weight_bytes / 4
+    steps_per_s = roof["mem_gbps"] * 1e9 / (weight_bytes + lora_bytes)
+    result["roofline"] = {**roof, "weight_mb": weight_bytes / 1e6, "lora_state_mb": lora_bytes / 1e6,
+                          "best_tok_s_memory": steps_per_s * args.requests,
+                          "best_tok_s_compute": roof["matmul_gflops"] * 1e9 / flops_per_token}
+    result["compile_report"] = compile_stats.stage_table()
+    return result
+
+
+def to_markdown(r: dict[str, Any], args: argparse.Namespace) -> str:
+    th = r["throughput"]
+    base = th["jlora, no adapters"]
+    peft = th["transformers+peft, 4 adapters mixed"]
+    lines = [
+        f"Reference workload: SmolLM2-135M-Instruct float32, {args.requests} requests, 16-64 prompt tokens, "
+        f"{args.new_tokens} new tokens, greedy, EOS ignored, 4 peft adapters (ranks {RANKS}, all linear layers) "
+        f"round-robin; median of {args.rounds} interleaved rounds; torch threads={args.threads}.",
+        "",
+        "| system | output tok/s | vs transformers+peft | vs jlora without adapters |",
+        "|---|---:|---:|---:|",
+    ]
+    for k, v in th.items():
+        lines.append(f"| {k} | {v:.1f} | {v / peft:.2f}x | {v / base:.2f}x |")
+    ro = r["roofline"]
+    ph = r["prefill_heavy"]
+    lines += [
+        "",
+        f"Roofline of this machine: {ro['mem_gbps']:.1f} GB/s memory (XLA reduction), {ro['matmul_gflops']:.0f} "
+        f"GFLOP/s f32 matmul. Weights {ro['weight_mb']:.0f} MB + LoRA slots {ro['lora_state_mb']:.0f} MB per decode "
+        f"step gives at best {ro['best_tok_s_memory']:.0f} tok/s (memory) and {ro['best_tok_s_compute']:.0f} tok/s "
+        f"(compute) for {args.requests} sequences.",
+        "",
+        f"Prefill-heavy (8 x 512 prompt tokens, 8 new, 4 adapters): jlora time to first token median "
+        f"{ph['ttft_median_s']:.2f}s, max {ph['ttft_max_s']:.2f}s; transformers+peft first token for the batch "
+        f"{ph['transformers_peft_first_token_s']:.2f}s.",
+        f"Adapter churn (32 adapters through 4 slots, 4 requests x 16 tokens each): {r['churn']['seconds']:.1f}s, "
+        f"{r['churn']['tokens_per_s']:.1f} tok/s.",
+        f"XLA compilations after warm-up during all of the above: {r['compiles_after_warmup_total']}.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="jlora bench")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the transformers baselines")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--lora-impl", default="auto")
+    p.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
+    p.add_argument("--json", default=None, help="also dump raw results to this file")
+    args = p.parse_args(argv)
+    result = run(args)
+    md = to_markdown(result, args)
+    print(md)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    if args.write:
+        out = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text("# End-to-end benchmark\n\nGenerated by `jlora bench --write`.\n\n" + md + "\n")
+    return 0
