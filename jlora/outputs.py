@@ -26,6 +26,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     lora_name: str | None = None
+    logprobs: list[dict[int, float]] | None = None  # per generated token: top-n ids -> logprob, plus the chosen one
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

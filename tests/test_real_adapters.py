@@ -18,11 +18,11 @@ PROMPTS = [
 
 # Four adapters exercising every scaling field peft has (ranks 8/16/8/32 like the reference workload).
 ADAPTER_SPECS = {
-    "qv-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "qv-r8": dict(r=8, lora_alpha=16, target_modules=r".*\.(q_proj|v_proj)"),
     "all-r16-rslora": dict(r=16, lora_alpha=8, target_modules="all-linear", use_rslora=True),
     "mlp-patterns": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj", "o_proj"],
                          rank_pattern={"down_proj": 4}, alpha_pattern={"o_proj": 32}),
-    "regex-layers-r32": dict(r=32, lora_alpha=32, target_modules=r".*\.(q_proj|k_proj|v_proj|o_proj)",
+    "regex-layers-r32": dict(r=32, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                              layers_to_transform=list(range(0, 30, 2))),
 }
 

@@ -21,7 +21,7 @@ from jlora.engine.config import EngineConfig, bucket_for
 from jlora.engine.runner import ModelRunner
 from jlora.engine.sequence import Request, Sequence, SeqState
 from jlora.outputs import RequestOutput
-from jlora.sampling import SamplingBatch, SamplingParams
+from jlora.sampling import SamplingParams, SamplingRow, build_sampling_batch
 
 
 class LLMEngine:
@@ -201,21 +201,22 @@ class LLMEngine:
         self._sample_and_append(logits, b, by_row, touched)
 
     def _sample_and_append(self, logits, b: int, seqs_by_row: dict[int, Sequence], touched) -> None:
-        rows = sorted(seqs_by_row)
-        params = [SamplingParams(temperature=0.0)] * b
-        seeds, counters = [0] * b, [0] * b
-        for r in rows:
-            s = seqs_by_row[r]
-            params[r], seeds[r], counters[r] = s.params, s.seed, len(s.output_ids)
-        batch = SamplingBatch.build(params, seeds, counters, b)
-        next_ids = self.runner.sample(logits, batch)
+        rows = {r: SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_ids, self.eos_token_id)
+                for r, s in seqs_by_row.items()}
+        out = self.runner.sample(logits, build_sampling_batch(rows, b, self.config.max_model_len))
         now = time.time()
-        for r in rows:
-            s = seqs_by_row[r]
+        for r, s in seqs_by_row.items():
             req = self.requests[s.request_id]
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            self._append_token(s, int(next_ids[r]))
+            tok = int(out["tokens"][r])
+            if s.params.logprobs is not None:
+                top = {int(i): float(lp) for i, lp in
+                       zip(out["top_ids"][r][: s.params.logprobs], out["top_logprobs"][r][: s.params.logprobs])}
+                top[tok] = float(out["token_logprob"][r])
+                s.logprobs.append(top)
+                s.cumulative_logprob += float(out["token_logprob"][r])
+            self._append_token(s, tok)
             req.metrics.num_generated_tokens = sum(len(q.output_ids) for q in req.seqs)
             touched[s.request_id] = req
 
@@ -226,11 +227,11 @@ class LLMEngine:
         s.output_ids.append(tok)
         enough = len(s.output_ids) >= p.min_tokens
         if enough and tok in p.stop_token_ids:
-            s.output_ids.pop()
+            s.pop_last()
             self._update_text(s)
             return self._finish(s, "stop", tok)
         if enough and not p.ignore_eos and tok == self.eos_token_id:
-            s.output_ids.pop()
+            s.pop_last()
             self._update_text(s)
             return self._finish(s, "stop", None)
         self._update_text(s)

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from jlora import compile_stats
 from jlora.engine.config import EngineConfig
 from jlora.models.llama import Llama, LoRAState, init_cache
-from jlora.sampling import SamplingBatch, sample
+from jlora.sampling import build_sampling_batch, sample
 
 
 class ModelRunner:
@@ -58,10 +58,11 @@ class ModelRunner:
                 self.state, lora_state, self.cache, *dev, span=span, lora_impl=self.config.lora_impl)
         return logits
 
-    def sample(self, logits: jax.Array, batch: SamplingBatch) -> np.ndarray:  # i32[B] on host
-        arrays = jax.device_put((batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds, batch.counters))
+    def sample(self, logits: jax.Array, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Sampled tokens (and logprobs) for each row; one device->host transfer."""
         with compile_stats.stage("sample"):
-            return np.asarray(sample(logits, *arrays))
+            out = sample(logits, jax.device_put(batch))
+        return jax.device_get(out)
 
     def warmup(self, lora_state: LoRAState | None, progress: bool = True) -> None:
         """Compile every prefill, decode and sampler graph once, before the first request."""
@@ -81,5 +82,5 @@ class ModelRunner:
                                   np.zeros((b,), np.int32), rows, span, name)
         for b in c.batch_buckets:
             logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
-            self.sample(logits, SamplingBatch.build([], [], [], b))
+            self.sample(logits, build_sampling_batch({}, b, c.max_model_len))
         jax.block_until_ready(self.cache)

@@ -34,6 +34,14 @@ class Sequence:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+    def pop_last(self) -> None:
+        """Drop the last token (an EOS or stop token, which is not part of the output)."""
+        self.output_ids.pop()
+        if len(self.logprobs) > len(self.output_ids):
+            self.logprobs.pop()
 
     @property
     def all_ids(self) -> list[int]:
@@ -44,8 +52,10 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_ids)
 
     def to_output(self) -> CompletionOutput:
+        logprobs = list(self.logprobs) if self.params.logprobs is not None else None
         return CompletionOutput(self.index, self.text, list(self.output_ids), self.finish_reason, self.stop_reason,
-                                self.lora.lora_name if self.lora else None)
+                                self.lora.lora_name if self.lora else None, logprobs,
+                                self.cumulative_logprob if logprobs is not None else None)
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,0 +1,228 @@
+"""Engine behaviour on a tiny random Llama with the real SmolLM2 tokenizer (fast to compile)."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jlora import LLM, LoRARequest, SamplingParams, compile_stats
+
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_loras=4, max_lora_rank=8,
+              token_buckets=(16, 32), batch_buckets=(1, 4), span_buckets=(64, 128))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama checkpoint (full SmolLM2 vocabulary) plus the GGUF tokenizer, in HF format."""
+    from jlora.models import default_model_path
+    from jlora.tokenizer import load_gguf_tokenizer
+
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
+                                   eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper than uniform, so greedy runs repeat themselves and penalties show
+        model.lm_head.weight.mul_(8.0)
+    path = tmp_path_factory.mktemp("tiny_engine")
+    model.save_pretrained(path, safe_serialization=True)
+    load_gguf_tokenizer(default_model_path()).save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(str(tiny_dir[0]), progress=False, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def tiny_adapters(tiny_dir, tmp_path_factory):
+    """16 peft adapters (ranks 2-8, varied targets) for the tiny model."""
+    from peft import LoraConfig, get_peft_model
+
+    _, model = tiny_dir
+    root = tmp_path_factory.mktemp("tiny_adapters")
+    targets = [["q_proj", "v_proj"], "all-linear", ["gate_proj", "down_proj"], ["o_proj", "k_proj", "up_proj"]]
+    paths = []
+    for i in range(16):
+        torch.manual_seed(i)
+        name = f"a{i}"
+        pm = get_peft_model(model, LoraConfig(r=2 + (i % 4) * 2, lora_alpha=8, target_modules=targets[i % 4],
+                                              init_lora_weights=False), adapter_name=name)
+        pm.save_pretrained(root, selected_adapters=[name])
+        pm.unload()
+        paths.append(root / name)
+    return paths
+
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog and keeps on running far away",
+           "1 2 3 4", "Once upon a time"]
+
+
+def greedy(n=12, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_batch_invariance_together_vs_one_at_a_time(llm):
+    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
+    alone = [llm.generate([p], greedy())[0].outputs[0].token_ids for p in PROMPTS]
+    assert together == alone
+    assert all(len(t) == 12 for t in together)
+
+
+def test_arrivals_during_decode_and_chunked_prefill_do_not_change_outputs(llm):
+    long_prompt = " ".join(f"word{i}" for i in range(40))  # > 32 tokens: prefilled in chunks
+    prompts = PROMPTS[:2] + [long_prompt]
+    ref = [llm.generate([p], greedy(10))[0].outputs[0].token_ids for p in prompts]
+    assert len(llm.tokenizer.encode(long_prompt)) > ENGINE["max_num_batched_tokens"]
+    eng = llm.engine
+    first = eng.add_request(prompts[0], greedy(10))
+    for _ in range(4):
+        eng.step()  # the first request is decoding when the others arrive
+    later = [eng.add_request(p, greedy(10)) for p in prompts[1:]]
+    while eng.has_unfinished():
+        eng.step()
+    got = [eng.pop_finished(r).outputs[0].token_ids for r in [first] + later]
+    assert got == ref
+
+
+def test_seed_reproducible_and_independent_of_batch(llm):
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    a = llm.generate(["Hello there"], p)[0].outputs[0].token_ids
+    b = llm.generate(["Once upon a time", "Hello there", "1 2 3 4"], [greedy(), p, greedy()])[1].outputs[0].token_ids
+    c = llm.generate(["Hello there"], SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True))
+    assert a == b
+    assert a != c[0].outputs[0].token_ids
+    assert a != llm.generate(["Hello there"], greedy())[0].outputs[0].token_ids
+
+
+def test_top_k_one_equals_greedy_and_n_samples(llm):
+    g = llm.generate(["Hello there"], greedy())[0].outputs[0].token_ids
+    k1 = llm.generate(["Hello there"], SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=12, ignore_eos=True))
+    assert k1[0].outputs[0].token_ids == g
+    out = llm.generate(["Hello there"], SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=8, ignore_eos=True))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_stop_strings_and_stop_token_ids(llm):
+    full = llm.generate(["Hello there"], greedy(12))[0].outputs[0]
+    stop_tok = full.token_ids[5]
+    out = llm.generate(["Hello there"], greedy(12, stop_token_ids=[stop_tok]))[0].outputs[0]
+    first = full.token_ids.index(stop_tok)
+    assert out.token_ids == full.token_ids[:first]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    stop_str = llm.tokenizer.decode(full.token_ids[4:6]).strip()
+    assert stop_str and stop_str in full.text
+    out = llm.generate(["Hello there"], greedy(12, stop=[stop_str]))[0].outputs[0]
+    assert out.text == full.text[: full.text.find(stop_str)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_str
+    assert full.finish_reason == "length"
+
+
+def test_min_tokens_and_eos(llm):
+    full = llm.generate(["Hello there"], greedy(12))[0].outputs[0]
+    eos_like = full.token_ids[2]
+    # Treat that token as a stop token: min_tokens must suppress it until 6 tokens exist.
+    out = llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, min_tokens=6,
+                                                        stop_token_ids=[eos_like]))[0].outputs[0]
+    assert len(out.token_ids) >= 6
+    assert eos_like not in out.token_ids[:6]
+
+
+def test_logprobs_match_log_softmax_of_model_logits(llm, tiny_dir):
+    _, hf = tiny_dir
+    out = llm.generate(["Hello there"], greedy(4, logprobs=5))[0]
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1).numpy()
+    n = len(out.prompt_token_ids)
+    assert len(out.outputs[0].logprobs) == 4
+    total = 0.0
+    for j, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+        row = ref[n - 1 + j]
+        top5 = np.argsort(-row)[:5]
+        assert set(top5) <= set(lp) and tok in lp
+        for t, v in lp.items():
+            np.testing.assert_allclose(v, row[t], atol=2e-3)
+        total += lp[tok]
+    np.testing.assert_allclose(out.outputs[0].cumulative_logprob, total, rtol=1e-5)
+
+
+def test_penalties_follow_vllm_semantics():
+    import jax.numpy as jnp
+
+    from jlora.sampling import SamplingRow, build_sampling_batch, sample
+
+    logits = np.full((4, 16), -5.0, np.float32)
+    logits[:, 5], logits[:, 7] = 3.0, 2.4
+    rows = {
+        0: SamplingRow(SamplingParams(temperature=0.0), 0, [1], [5], None),  # no penalty: 5 wins
+        1: SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=2.0), 0, [5], [], None),  # 3.0/2 < 2.4
+        2: SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=0.4), 0, [1], [5, 5], None),  # 3-0.8 < 2.4
+        3: SamplingRow(SamplingParams(temperature=0.0, presence_penalty=0.4), 0, [5], [5, 5], None),  # 3-0.4 > 2.4
+    }
+    out = sample(jnp.asarray(logits), build_sampling_batch(rows, 4, 8))
+    assert np.asarray(out["tokens"]).tolist() == [5, 7, 7, 5]
+    # Presence counts generated tokens only: a prompt-only occurrence is not penalised.
+    rows = {0: SamplingRow(SamplingParams(temperature=0.0, presence_penalty=2.0), 0, [5], [], None)}
+    assert int(sample(jnp.asarray(logits[:1]), build_sampling_batch(rows, 1, 8))["tokens"][0]) == 5
+
+
+def test_abort_frees_row_and_slot(llm, tiny_adapters):
+    eng = llm.engine
+    free_rows = len(eng.free_rows)
+    req = LoRARequest("abort-me", 500, str(tiny_adapters[0]))
+    rid = eng.add_request("Hello there", greedy(50), req)
+    eng.step()
+    slot = eng.adapters.slot_of("abort-me")
+    assert slot is not None and eng.adapters.pins(slot) == 1 and len(eng.free_rows) == free_rows - 1
+    eng.abort(rid)
+    out = eng.pop_finished(rid)
+    assert out.outputs[0].finish_reason == "abort" and out.finished
+    assert eng.adapters.pins(slot) == 0 and len(eng.free_rows) == free_rows
+    assert not eng.has_unfinished()
+
+
+def test_streaming_deltas_concatenate_to_the_text(llm):
+    deltas = list(llm.generate_stream("Hello there", greedy(10)))
+    full = llm.generate(["Hello there"], greedy(10))[0].outputs[0].text
+    assert "".join(deltas) == full and len(deltas) > 1
+
+
+def test_zero_compiles_after_warmup_randomized_workload(llm, tiny_adapters):
+    rng = np.random.default_rng(0)
+    reqs = [LoRARequest(f"mix{i}", 1000 + i, str(p)) for i, p in enumerate(tiny_adapters)]
+    before = compile_stats.compile_count()
+    for round_ in range(4):
+        n = int(rng.integers(1, 7))
+        prompts = [" ".join(["tok"] * int(rng.integers(1, 60))) for _ in range(n)]
+        params = [SamplingParams(temperature=float(rng.choice([0.0, 0.7, 1.2])), top_p=float(rng.choice([1.0, 0.9])),
+                                 top_k=int(rng.choice([-1, 5])), max_tokens=int(rng.integers(1, 20)),
+                                 repetition_penalty=float(rng.choice([1.0, 1.3])), seed=int(rng.integers(0, 100)),
+                                 logprobs=int(rng.choice([0, 3])) if rng.random() < 0.3 else None)
+                  for _ in range(n)]
+        loras = [reqs[int(rng.integers(0, 16))] if rng.random() < 0.8 else None for _ in range(n)]
+        outs = llm.generate(prompts, params, loras, use_tqdm=False)
+        assert all(1 <= len(o.outputs[0].token_ids) <= p.max_tokens or o.outputs[0].finish_reason == "stop"
+                   for o, p in zip(outs, params))
+    assert compile_stats.compile_count() == before
+
+
+def test_bad_requests_raise_and_leave_engine_serving(llm, tmp_path):
+    expected = llm.generate(["Hello there"], greedy(6))[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="max_model_len=128"):
+        llm.generate([{"prompt_token_ids": [5] * 200}])
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""])
+    with pytest.raises(FileNotFoundError):
+        llm.generate(["Hello", "Hi"], greedy(), [None, LoRARequest("nope", 7, str(tmp_path / "nope"))])
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"prompt_token_ids": [10**6]}])
+    for bad in (dict(temperature=-1), dict(top_p=1.5), dict(top_k=-3), dict(max_tokens=0), dict(n=0),
+                dict(min_tokens=5, max_tokens=2), dict(logprobs=99), dict(stop=[""]), dict(presence_penalty=5)):
+        with pytest.raises(ValueError, match="SamplingParams"):
+            SamplingParams(**bad)
+    assert not llm.engine.has_unfinished()
+    assert llm.generate(["Hello there"], greedy(6))[0].outputs[0].token_ids == expected
