@@ -26,12 +26,14 @@ class ModelRunner:
         self.cfg = model.cfg
         self.config = config
         self.graphdef, self.state = nnx.split(model)
+        # A flat list of arrays crosses the jit boundary fastest (NNX state flattens in Python).
+        self._weights, self._weights_def = jax.tree.flatten(self.state)
         self.kv_dtype = kv_dtype or model.dtype
         self.cache = init_cache(self.cfg, config.max_num_seqs, config.max_model_len, self.kv_dtype)
         self._step = jax.jit(self._step_impl, static_argnames=("span", "lora_impl"), donate_argnames=("cache",))
 
-    def _step_impl(self, state, lora_state, cache, tokens, positions, slot_ids, logits_index, rows, *, span, lora_impl):
-        model = nnx.merge(self.graphdef, state)
+    def _step_impl(self, weights, lora_state, cache, tokens, positions, slot_ids, logits_index, rows, *, span, lora_impl):
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         return model(tokens, positions, cache, lora_state, slot_ids, logits_index, rows, span=span, lora_impl=lora_impl)
 
     @property
@@ -55,7 +57,7 @@ class ModelRunner:
             dev = (*dev, None)
         with compile_stats.stage(stage):
             logits, self.cache = self._step(
-                self.state, lora_state, self.cache, *dev, span=span, lora_impl=self.config.lora_impl)
+                self._weights, lora_state, self.cache, *dev, span=span, lora_impl=self.config.lora_impl)
         return logits
 
     def sample(self, logits: jax.Array, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
