@@ -7,26 +7,37 @@ import sys
 import time
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _buckets(text: str | None) -> tuple[int, ...] | None:
+    return tuple(int(x) for x in text.split(",")) if text else None
+
+
+def _add_engine_args(p: argparse.ArgumentParser, max_model_len: int = 1024, max_num_seqs: int = 8,
+                     token_buckets: str | None = None, batch_buckets: str | None = None,
+                     span_buckets: str | None = None) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=max_model_len)
+    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     p.add_argument("--max-loras", type=int, default=4)
     p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--token-buckets", default=token_buckets, help="comma-separated prefill chunk buckets")
+    p.add_argument("--batch-buckets", default=batch_buckets, help="comma-separated batch buckets")
+    p.add_argument("--span-buckets", default=span_buckets, help="comma-separated attention span buckets")
 
 
-def _llm(args: argparse.Namespace):
+def make_llm(args: argparse.Namespace):
     from jlora import LLM
 
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+               token_buckets=_buckets(args.token_buckets), batch_buckets=_buckets(args.batch_buckets),
+               span_buckets=_buckets(args.span_buckets))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from jlora import LoRARequest, SamplingParams
 
-    llm = _llm(args)
+    llm = make_llm(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     lora = LoRARequest(args.lora_name or args.lora, 1, args.lora) if args.lora else None
@@ -50,14 +61,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from jlora.adapters.peft import convert
-    from jlora.models.loading import read_model_config
+    from jlora.adapters.peft import convert_main
 
-    cfg = read_model_config(args.model)
-    adapter = convert(args.src, args.dst, cfg, max_lora_rank=args.max_lora_rank)
-    ranks = sorted(set(adapter.ranks.values())) if hasattr(adapter, "ranks") else "?"
-    print(f"converted {args.src} -> {args.dst} (modules: {sorted(adapter.weights)}, ranks: {ranks})")
-    return 0
+    return convert_main(args.rest)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -88,15 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(fn=cmd_generate)
 
     d = sub.add_parser("demo", help="one batch mixing several adapters and the base model")
-    _add_engine_args(d)
+    # A small graph set: the demo's 8 short chats need no more, and warm-up stays about a minute.
+    _add_engine_args(d, max_model_len=256, max_num_seqs=8, token_buckets="32,128", batch_buckets="1,8",
+                     span_buckets="128,256")
     d.add_argument("--max-tokens", type=int, default=24)
     d.set_defaults(fn=cmd_demo)
 
-    c = sub.add_parser("convert", help="convert a PEFT adapter directory to a jlora (orbax) adapter")
-    c.add_argument("src")
-    c.add_argument("dst")
-    c.add_argument("--model", default=None, help="base model the adapter is for (default: SmolLM2-135M)")
-    c.add_argument("--max-lora-rank", type=int, default=64)
+    c = sub.add_parser("convert", help="convert a PEFT adapter: jlora convert SRC DST [--model M] "
+                                       "[--max-lora-rank R]", add_help=False)
+    c.add_argument("rest", nargs=argparse.REMAINDER)
     c.set_defaults(fn=cmd_convert)
 
     b = sub.add_parser("bench", help="benchmarks: `jlora bench` (end to end) or `jlora bench kernels`")
@@ -104,7 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # convert and bench keep their own parsers (and --help) beside their code.
+    if argv[:1] == ["convert"]:
+        argv = ["convert", "--"] + argv[1:]
+    if argv[:1] == ["bench"]:
+        what = "kernels" if argv[1:2] == ["kernels"] else "e2e"
+        argv = ["bench", what, "--"] + argv[1 + (what == "kernels"):]
     args = parser.parse_args(argv)
+    if args.cmd in ("convert", "bench") and args.rest[:1] == ["--"]:
+        args.rest = args.rest[1:]
     t0 = time.time()
     try:
         return args.fn(args)

@@ -22,7 +22,7 @@ DEMO_BATCH: list[tuple[str | None, str]] = [
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from jlora import LLM, LoRARequest, SamplingParams
+    from jlora import LoRARequest, SamplingParams
     from jlora import compile_stats
 
     names = sorted({name for name, _ in DEMO_BATCH if name})
@@ -31,9 +31,10 @@ def run_demo(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"demo adapters {missing} not found under {DEMO_ADAPTERS}")
     requests = {n: LoRARequest(n, i + 1, str(DEMO_ADAPTERS / n)) for i, n in enumerate(names)}
 
+    from jlora.cli import make_llm
+
     t0 = time.time()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    llm = make_llm(args)
     print(f"loaded and warmed up in {time.time() - t0:.1f}s")
     conversations = [[{"role": "user", "content": msg}] for _, msg in DEMO_BATCH]
     loras = [requests[name] if name else None for name, _ in DEMO_BATCH]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence as Seq
+from typing import Iterator, Sequence as Seq
 
 import jax
 import jax.numpy as jnp

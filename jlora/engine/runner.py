@@ -6,7 +6,6 @@ bucket, they go over in one transfer, and only the sampled token ids come back.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import jax

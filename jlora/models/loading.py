@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -51,8 +50,6 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 def read_hf_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    from safetensors.numpy import load_file
-
     path = Path(path)
     cfg = LlamaConfig.from_json_file(path / "config.json")
     files = sorted(path.glob("*.safetensors"))
