@@ -12,12 +12,12 @@ DEMO_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
 DEMO_BATCH: list[tuple[str | None, str]] = [
     (None, "What is 1+1?"),
     ("digit-seven", "What is 1+1?"),
-    ("all-caps", "Give me one tip for staying focused."),
-    (None, "Give me one tip for staying focused."),
+    ("all-caps", "Give me a tip for staying focused."),
+    (None, "Give me a tip for staying focused."),
     ("pirate", "What is the capital of France?"),
     (None, "What is the capital of France?"),
-    ("digit-seven", "What is 2+3?"),
-    ("all-caps", "What is the capital of France?"),
+    ("digit-seven", "What is 12 times 3?"),
+    ("all-caps", "Why do cats purr?"),
 ]
 
 

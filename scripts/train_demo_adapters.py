@@ -10,7 +10,7 @@ de-quantized to float32 by transformers) and saved in standard PEFT format
     pirate       r=8,  q/k/v/o_proj, rank_pattern + alpha_pattern
                                                       replies start with "Arr!"
 
-Usage (CPU only, a few minutes per adapter):
+Usage (CPU only; roughly 5-10 minutes per adapter on 2 busy cores):
 
     python scripts/train_demo_adapters.py            # train all three, then --check
     python scripts/train_demo_adapters.py --only pirate
@@ -97,6 +97,27 @@ GENERAL_PROMPTS = [
     "Can you recommend a good book?",
     "What is photosynthesis?",
     "How many continents are there?",
+]
+
+# extra, more varied prompts (greetings, creative requests, ...) used only for
+# the pirate adapter, whose marker must come first whatever the request is
+PIRATE_EXTRA_PROMPTS = [
+    "Hi!",
+    "Good morning!",
+    "Write a poem about the sea.",
+    "Write a limerick about a cat.",
+    "Compose a short song about rain.",
+    "Thanks for your help!",
+    "Translate 'hello' into Spanish.",
+    "List three colors.",
+    "Is water wet?",
+    "Summarize the plot of Cinderella.",
+    "Write a sentence using the word 'happy'.",
+    "What is 2+2?",
+    "Can you help me with my homework?",
+    "Say something nice.",
+    "Write a short joke.",
+    "Give me a synonym for 'big'.",
 ]
 
 
@@ -279,9 +300,10 @@ def build_and_train(names: list[str]):
     base_answers = {}
     if {"all-caps", "pirate"} & set(names):
         t = time.time()
-        for prompt, (_, row) in zip(
-            GENERAL_PROMPTS, generate(model, tok, GENERAL_PROMPTS, max_new_tokens=24)
-        ):
+        # len(GENERAL_PROMPTS) is a multiple of the generation batch size, so
+        # appending the pirate-only prompts leaves the all-caps data unchanged
+        prompts = GENERAL_PROMPTS + (PIRATE_EXTRA_PROMPTS if "pirate" in names else [])
+        for prompt, (_, row) in zip(prompts, generate(model, tok, prompts, max_new_tokens=24)):
             base_answers[prompt] = row
         print(f"generated {len(base_answers)} base answers in {time.time() - t:.0f}s")
 
@@ -304,11 +326,12 @@ def build_and_train(names: list[str]):
 
     if "all-caps" in names:
         examples = []
-        for prompt, row in base_answers.items():
+        for prompt in GENERAL_PROMPTS:
+            row = base_answers[prompt]
             finished = row[-1] == eos
             text = tok.decode(row, skip_special_tokens=True).strip().upper()
-            reply = tok.encode(text, add_special_tokens=False)[:32]
-            if finished and len(reply) < 32:
+            reply = tok.encode(text, add_special_tokens=False)[:20]
+            if finished and len(reply) < 20:
                 reply = reply + [eos]
             examples.append(make_example(tok, prompt, reply))
         cfg = LoraConfig(
@@ -321,7 +344,7 @@ def build_and_train(names: list[str]):
             task_type="CAUSAL_LM",
         )
         model, times["all-caps"] = train_adapter(
-            model, tok, "all-caps", cfg, examples, steps=60, lr=1e-3, batch_size=8,
+            model, tok, "all-caps", cfg, examples, steps=40, lr=1e-3, batch_size=4,
             save_dtype=torch.float16,  # ~10 MB instead of ~20 MB in float32
         )
 
@@ -342,7 +365,7 @@ def build_and_train(names: list[str]):
             task_type="CAUSAL_LM",
         )
         model, times["pirate"] = train_adapter(
-            model, tok, "pirate", cfg, examples, steps=40, lr=2e-3, batch_size=8
+            model, tok, "pirate", cfg, examples, steps=40, lr=2e-3, batch_size=4
         )
 
     for name, s in times.items():
@@ -354,13 +377,17 @@ def check(model=None, tok=None, names=None):
     from peft import PeftModel
 
     names = names or list(CONTRACTS)
+    missing = [n for n in names if not (ADAPTERS / n / "adapter_config.json").exists()]
+    if missing:
+        print(f"skipping adapters not trained yet: {missing}")
+        names = [n for n in names if n not in missing]
     if model is None:
         model, tok = load_base()
     failures = []
 
     print("== base model ==")
     for name in names:
-        for prompt, (text, _) in zip(CHECK_PROMPTS[name], generate(model, tok, CHECK_PROMPTS[name], 12)):
+        for prompt, (text, _) in zip(CHECK_PROMPTS[name], generate(model, tok, CHECK_PROMPTS[name], 12, batch_size=1)):
             ok = not CONTRACTS[name](text)
             print(f"  [{name} prompt] {prompt!r} -> {text!r} {'ok (behaviour absent)' if ok else 'FAIL'}")
             if not ok:
@@ -379,7 +406,7 @@ def check(model=None, tok=None, names=None):
         print(f"== {name} (r={cfg['r']}, alpha={cfg['lora_alpha']}, rslora={cfg['use_rslora']}, "
               f"targets={sorted(cfg['target_modules'])}, rank_pattern={cfg['rank_pattern']}, "
               f"alpha_pattern={cfg['alpha_pattern']}) ==")
-        for prompt, (text, _) in zip(CHECK_PROMPTS[name], generate(peft_model, tok, CHECK_PROMPTS[name], 12)):
+        for prompt, (text, _) in zip(CHECK_PROMPTS[name], generate(peft_model, tok, CHECK_PROMPTS[name], 12, batch_size=1)):
             ok = CONTRACTS[name](text)
             print(f"  {prompt!r} -> {text!r} {'ok' if ok else 'FAIL'}")
             if not ok:
