@@ -11,7 +11,7 @@ def _buckets(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(x) for x in text.split(",")) if text else None
 
 
-def _add_engine_args(p: argparse.ArgumentParser, max_model_len: int = 1024, max_num_seqs: int = 8,
+def _add_engine_args(p: argparse.ArgumentParser, max_model_len: int = 1024, max_num_seqs: int = 8, max_lora_rank: int = 64,
                      token_buckets: str | None = None, batch_buckets: str | None = None,
                      span_buckets: str | None = None) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
@@ -19,7 +19,7 @@ def _add_engine_args(p: argparse.ArgumentParser, max_model_len: int = 1024, max_
     p.add_argument("--max-model-len", type=int, default=max_model_len)
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     p.add_argument("--max-loras", type=int, default=4)
-    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--max-lora-rank", type=int, default=max_lora_rank)
     p.add_argument("--token-buckets", default=token_buckets, help="comma-separated prefill chunk buckets")
     p.add_argument("--batch-buckets", default=batch_buckets, help="comma-separated batch buckets")
     p.add_argument("--span-buckets", default=span_buckets, help="comma-separated attention span buckets")
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("demo", help="one batch mixing several adapters and the base model")
     # A small graph set: the demo's 8 short chats need no more, and warm-up stays about a minute.
-    _add_engine_args(d, max_model_len=256, max_num_seqs=8, token_buckets="32,128", batch_buckets="1,8",
+    _add_engine_args(d, max_model_len=256, max_num_seqs=8, max_lora_rank=16, token_buckets="32,256", batch_buckets="1,8",
                      span_buckets="128,256")
     d.add_argument("--max-tokens", type=int, default=24)
     d.set_defaults(fn=cmd_demo)

@@ -73,7 +73,8 @@ class LLM:
             max_cpu_loras=max_cpu_loras or max(4 * max_loras, 8), lora_impl=lora_impl,
             token_buckets=token_buckets, batch_buckets=batch_buckets, span_buckets=span_buckets)
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else cfg.eos_token_id
-        self.engine = LLMEngine(self.model, self.tokenizer, self.config, eos)
+        with compile_stats.stage("init"):  # the zero-filled KV cache and adapter slots
+            self.engine = LLMEngine(self.model, self.tokenizer, self.config, eos)
         self.progress = progress
         if warmup:
             self.warmup()
