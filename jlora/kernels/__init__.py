@@ -1,12 +1,29 @@
 """LoRA shrink/expand kernels behind one entry point, `lora_delta`.
 
-Per token t with slot s = slot_ids[t]: delta[t] = x[t] @ a[s] @ b[s], and zero where s == -1.
-Implementations live in their own modules, each next to nothing but its own math; `gather`
-is the reference every other one is tested against.
+Per token t with slot s = slot_ids[t]: delta[t] = x[t] @ a[s] @ b[s], and zero where s == -1
+(any id outside [0, N)). Implementations live in their own modules; `gather` is the reference
+every other one is tested against, `choose_impl` holds the measured crossovers (docs/kernels.md).
 """
 
-from jlora.kernels.dispatch import IMPLS, lora_delta, validate_lora_args
+from jlora.kernels.common import validate_lora_args
+from jlora.kernels.dispatch import CHOICES, IMPLS, choose_impl, lora_delta
 from jlora.kernels.gather import lora_delta_gather
+from jlora.kernels.grouped import lora_delta_grouped
 from jlora.kernels.laned import lora_delta_laned
+from jlora.kernels.pallas import lora_delta_pallas
+from jlora.kernels.pallas_gpu import lora_delta_pallas_gpu
+from jlora.kernels.pallas_tpu import lora_delta_pallas_tpu
 
-__all__ = ["IMPLS", "lora_delta", "lora_delta_gather", "lora_delta_laned", "validate_lora_args"]
+__all__ = [
+    "CHOICES",
+    "IMPLS",
+    "choose_impl",
+    "lora_delta",
+    "lora_delta_gather",
+    "lora_delta_grouped",
+    "lora_delta_laned",
+    "lora_delta_pallas",
+    "lora_delta_pallas_gpu",
+    "lora_delta_pallas_tpu",
+    "validate_lora_args",
+]

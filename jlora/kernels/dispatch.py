@@ -1,4 +1,4 @@
-"""`lora_delta`: validates arguments and picks an implementation."""
+"""`lora_delta`: validates arguments and picks an implementation per backend and shape."""
 
 from __future__ import annotations
 
@@ -6,54 +6,85 @@ from functools import partial
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
+from jlora.kernels.common import check_choice, validate_lora_args
 from jlora.kernels.gather import lora_delta_gather
+from jlora.kernels.grouped import lora_delta_grouped
 from jlora.kernels.laned import lora_delta_laned
+from jlora.kernels.pallas import lora_delta_pallas
 
 IMPLS: dict[str, Callable[..., jax.Array]] = {
     "gather": lora_delta_gather,
     "laned": lora_delta_laned,
+    "grouped": lora_delta_grouped,
+    "pallas": lora_delta_pallas,
 }
+CHOICES = ("auto", *IMPLS)
 
 
-def validate_lora_args(x: jax.Array, a: jax.Array, b: jax.Array, slot_ids: jax.Array) -> None:
-    if x.ndim != 2:
-        raise ValueError(f"x must be [T, D], got shape {x.shape}")
-    if a.ndim != 3:
-        raise ValueError(f"a must be [N, D, R], got shape {a.shape}")
-    if b.ndim != 3:
-        raise ValueError(f"b must be [N, R, O], got shape {b.shape}")
-    if a.shape[1] != x.shape[1]:
-        raise ValueError(f"a's D={a.shape[1]} does not match x's D={x.shape[1]} (a {a.shape}, x {x.shape})")
-    if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
-        raise ValueError(f"a {a.shape} and b {b.shape} disagree on N or R")
-    if slot_ids.shape != (x.shape[0],):
-        raise ValueError(f"slot_ids must be i32[T] with T={x.shape[0]}, got shape {slot_ids.shape}")
-    if not jnp.issubdtype(slot_ids.dtype, jnp.integer):
-        raise ValueError(f"slot_ids must be an integer array, got {slot_ids.dtype}")
-    for name, arr in (("x", x), ("a", a), ("b", b)):
-        if arr.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {arr.dtype}")
+# Crossovers on XLA:CPU, from `python benchmarks/bench_kernels.py` (docs/kernels.md, f32, 2 cores,
+# 126 shapes: T in {8, 16, 64, 512, 2048}, D=O in {576, 2048, 4096}, N in {1, 4, 16, 64},
+# R in {8, 16, 64}). Times there are medians of interleaved rounds; the table lists them all.
+DECODE_MAX_T = 64  # T above this is "prefill" (measured at 512 and 2048)
+LANED_MAX_N = 4  # decode: laned's dense GEMM over all N*R lanes wins up to N=4; at N=16 it
+#                  loses to gather and grouped (0.3-0.8x gather at T=8)
+GATHER_MIN_SLOTS_PER_TOKEN = 4  # decode with N >= 4T (T=8 or 16, N=64): tokens almost never
+#                                 share a slot, gather reads just their adapters; grouped's
+#                                 sort + one loop step per token measured 0.5-1.0x gather there
+GATHER_MAX_R = 16  # decode at R <= 16 with fewer than 4 tokens per slot (T < 4N): gather
+GROUPED_MIN_TOKENS_PER_SLOT = 4  # (small per-token copies; grouped 0.55-2x gather at T <= 16).
+#                                  From 4 tokens per slot (T=64, N=16) grouped beat gather 2-6x,
+#                                  and at R=64 by 1.1-10x.
+PREFILL_LANED_MAX_NR = 64  # prefill: laned up to N*R=64 (N=1 always, N=4 at R<=16); grouped
+#                            above (N=16 at R=8 and up, N=4 at R=64): 1.3-21x faster than laned
 
 
 def choose_impl(t: int, d: int, o: int, n: int, r: int, backend: str | None = None) -> str:
-    """Implementation for a shape; `laned` until measurements say otherwise."""
-    return "laned"
+    """Implementation for x [T, D], a [N, D, R], b [N, R, O] on `backend` (default: JAX's).
+
+    CPU: the measured crossovers above. TPU and GPU have not been measured; they get laned
+    (the dense XLA form vLLM's TPU backend and tpu-inference settled on) while N*R fits a few
+    lane tiles, otherwise grouped (ragged_dot) on TPU, and on GPU gather at decode (one
+    kernel, where grouped's loop would launch kernels per block) and grouped at prefill.
+    `pallas` is never picked automatically until it is measured on the hardware; force it
+    with impl="pallas".
+    """
+    backend = backend or jax.default_backend()
+    if backend != "cpu":
+        if n * r <= 512:
+            return "laned"
+        if backend == "tpu":
+            return "grouped"  # ragged_dot: a native grouped matmul in XLA:TPU
+        return "gather" if t <= DECODE_MAX_T else "grouped"  # no per-block kernel launches at decode
+    if t <= DECODE_MAX_T:
+        if n <= LANED_MAX_N:
+            return "laned"
+        if n >= GATHER_MIN_SLOTS_PER_TOKEN * t:
+            return "gather"
+        if r <= GATHER_MAX_R and t < GROUPED_MIN_TOKENS_PER_SLOT * n:
+            return "gather"
+        return "grouped"
+    return "laned" if n * r <= PREFILL_LANED_MAX_NR else "grouped"
 
 
-@partial(jax.jit, static_argnames=("impl",))
+@partial(jax.jit, static_argnames=("impl", "interpret"))
 def lora_delta(
-    x: jax.Array,  # [T, D]
+    x: jax.Array,  # [T, D] f32/bf16
     a: jax.Array,  # [N, D, R]
     b: jax.Array,  # [N, R, O]
     slot_ids: jax.Array,  # i32[T], -1 = no adapter
     *,
-    impl: str = "auto",
-) -> jax.Array:  # [T, O]
+    impl: str = "auto",  # "auto" | "gather" | "laned" | "grouped" | "pallas"
+    interpret: bool | None = None,  # pallas only; None: interpret unless on its target
+) -> jax.Array:  # [T, O] in x.dtype
+    """Per token t with slot s = slot_ids[t]: x[t] @ a[s] @ b[s], zero where s is outside [0, N).
+
+    f32 accumulation; the shrink result is cast to b.dtype before the expand; output in x.dtype.
+    """
     validate_lora_args(x, a, b, slot_ids)
+    check_choice("impl", impl, CHOICES)
     if impl == "auto":
         impl = choose_impl(x.shape[0], x.shape[1], b.shape[2], a.shape[0], a.shape[2])
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be 'auto' or one of {sorted(IMPLS)}, got {impl!r}")
+    if impl == "pallas":
+        return lora_delta_pallas(x, a, b, slot_ids, interpret=interpret)
     return IMPLS[impl](x, a, b, slot_ids)

@@ -1,26 +1,49 @@
-"""Dense XLA laning: all N slots packed side by side along the lane axis.
+"""Dense XLA laning: all N slots side by side along the lane axis, no gather.
 
-One matmul [T, D] @ [D, N*R] computes every slot's shrink for every token, a mask keeps each
-token's own R lanes, one matmul [T, N*R] @ [N*R, O] expands. No gather; cost grows with N*R, so
-it wins while N*R is small (decode, few slots).
+One matmul x [T, D] @ a [D, N*R] computes every slot's shrink for every token, a one-hot mask
+keeps each token's own R lanes, one matmul [T, N*R] @ b [N*R, O] expands. Cost grows with N*R,
+so it wins while N*R is small. This is the form vLLM's TPU backend and tpu-inference ended up
+with (an einsum XLA can fuse with its neighbours).
+
+Two shrink formulations, picked statically by T (measured on XLA:CPU, docs/kernels.md):
+  * T > 8: einsum "td,ndr->tnr". XLA relayouts a to [D, N*R] (one copy of a) and runs one GEMM.
+  * T <= 8: one batched matvec per slot, x broadcast over N, which reads a in place. At decode
+    the op is bound by reading a, and the relayout copy would triple that traffic.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
+from jlora.kernels.common import validate_lora_args
 
+BATCHED_SHRINK_MAX_T = 8  # crossover measured on XLA:CPU (2 cores): batched wins at T<=8 only
+
+
+@partial(jax.jit, static_argnames=())
 def lora_delta_laned(
-    x: jax.Array,  # [T, D]
+    x: jax.Array,  # [T, D] f32/bf16
     a: jax.Array,  # [N, D, R]
     b: jax.Array,  # [N, R, O]
     slot_ids: jax.Array,  # i32[T], -1 = no adapter
-) -> jax.Array:  # [T, O]
-    n, _, r = a.shape
-    h = jnp.einsum("td,ndr->tnr", x, a, preferred_element_type=jnp.float32)  # [T, N, R]
-    # -1 matches no slot, so its row of the mask is all zeros: padding never reads a real slot.
-    keep = slot_ids[:, None] == jnp.arange(n, dtype=slot_ids.dtype)[None, :]  # [T, N]
-    h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)
-    y = jnp.einsum("tnr,nro->to", h, b, preferred_element_type=jnp.float32)
+) -> jax.Array:  # [T, O] in x.dtype
+    validate_lora_args(x, a, b, slot_ids)
+    t, n = x.shape[0], a.shape[0]
+    slots = jnp.arange(n, dtype=slot_ids.dtype)
+    # An id outside [0, N) (-1, padding) matches no slot: its mask row is all zeros, so it never
+    # reads a real slot.
+    if t <= BATCHED_SHRINK_MAX_T:
+        xb = jnp.broadcast_to(x[None], (n, *x.shape))  # [N, T, D]
+        h = jax.lax.dot_general(xb, a, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+        keep = slot_ids[None, :] == slots[:, None]  # [N, T]
+        h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)  # [N, T, R]
+        y = jnp.einsum("ntr,nro->to", h, b, preferred_element_type=jnp.float32)
+    else:
+        h = jnp.einsum("td,ndr->tnr", x, a, preferred_element_type=jnp.float32)  # [T, N, R]
+        keep = slot_ids[:, None] == slots[None, :]  # [T, N]
+        h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)
+        y = jnp.einsum("tnr,nro->to", h, b, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)

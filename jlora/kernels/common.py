@@ -1,0 +1,75 @@
+"""Argument checks and small helpers shared by every implementation.
+
+Every public kernel entry point calls `validate_lora_args` at trace time, so a bad call fails
+with a ValueError that names the argument and its shape before anything is lowered.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def validate_lora_args(x: jax.Array, a: jax.Array, b: jax.Array, slot_ids: jax.Array) -> None:
+    """Raise ValueError unless x [T, D], a [N, D, R], b [N, R, O], slot_ids int[T] fit together."""
+    for name, arr, want in (("x", x, "[T, D]"), ("a", a, "[N, D, R]"), ("b", b, "[N, R, O]"), ("slot_ids", slot_ids, "[T]")):
+        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            raise ValueError(f"{name} must be an array {want}, got {type(arr).__name__}")
+        if arr.ndim != len(want.split(",")):
+            raise ValueError(f"{name} must be {want}, got shape {tuple(arr.shape)}")
+        if 0 in arr.shape:
+            raise ValueError(f"{name} must have no zero-sized dimension, got shape {tuple(arr.shape)}")
+    if a.shape[1] != x.shape[1]:
+        raise ValueError(f"a [N, D, R] has D={a.shape[1]} but x [T, D] has D={x.shape[1]} (a {a.shape}, x {x.shape})")
+    if b.shape[0] != a.shape[0]:
+        raise ValueError(f"b [N, R, O] has N={b.shape[0]} but a [N, D, R] has N={a.shape[0]} (a {a.shape}, b {b.shape})")
+    if b.shape[1] != a.shape[2]:
+        raise ValueError(f"b [N, R, O] has R={b.shape[1]} but a [N, D, R] has R={a.shape[2]} (a {a.shape}, b {b.shape})")
+    if slot_ids.shape != (x.shape[0],):
+        raise ValueError(f"slot_ids must be int32[T] with T={x.shape[0]} (x {x.shape}), got shape {slot_ids.shape}")
+    if not jnp.issubdtype(slot_ids.dtype, jnp.integer):
+        raise ValueError(f"slot_ids must be an integer array (int32), got {slot_ids.dtype}")
+    for name, arr in (("x", x), ("a", a), ("b", b)):
+        if jnp.dtype(arr.dtype) not in FLOAT_DTYPES:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {arr.dtype} (shape {arr.shape})")
+
+
+def check_choice(name: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_block(name: str, value: int | None, *, power_of_two: bool = False, multiple_of: int = 1) -> None:
+    """None means "from the table"; otherwise a positive int (optionally a power of two / multiple)."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    if power_of_two and value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+    if value % multiple_of:
+        raise ValueError(f"{name} must be a multiple of {multiple_of}, got {value}")
+
+
+def round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+def pow2_floor(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
+def pow2_ceil(v: int) -> int:
+    return 1 << (max(1, v) - 1).bit_length()
+
+
+def pad_axis(arr: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """Pad `arr` with `value` along `axis` up to `size` (no-op when already that size)."""
+    extra = size - arr.shape[axis]
+    if extra == 0:
+        return arr
+    widths = [(0, 0)] * arr.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(arr, widths, constant_values=value)
