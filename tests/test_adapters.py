@@ -372,15 +372,15 @@ def test_set_slot_one_graph_donated_and_correct():
                                         (np.int32(2), adapters[2]), (dev_slot, adapters[0])]):
             old = state
             state = set_slot(state, slot, padded_update(ad, CFG, R))
-            assert old["q_proj"]["A"].is_deleted() and old["down_proj"]["B"].is_deleted()  # donated
+            assert old["q_proj"]["A"][0].is_deleted() and old["down_proj"]["B"][-1].is_deleted()  # donated
             if k == 0:
                 first = cc.n
     assert first <= 1 and cc.n == first, f"set_slot compiled {cc.n} times"
     # final contents: slot 0 = adapters[3], slot 1 = adapters[0], slot 2 = adapters[2]; others cleared
     for slot, ad in [(0, adapters[3]), (1, adapters[0]), (2, adapters[2])]:
         for m in PARENT:
-            A = np.asarray(state[m]["A"][:, slot])
-            B = np.asarray(state[m]["B"][:, slot])
+            A = np.asarray(state[m]["A"])[:, slot]
+            B = np.asarray(state[m]["B"])[:, slot]
             if m in ad.weights:
                 r = ad.ranks[m]
                 np.testing.assert_array_equal(A[..., :r], ad.weights[m][0])
@@ -403,7 +403,7 @@ def test_set_slot_validates():
         set_slot(state, 0, bad)
     with pytest.raises(ValueError, match="modules"):
         set_slot(state, 0, {"q_proj": upd["q_proj"]})
-    assert not state["q_proj"]["A"].is_deleted()  # nothing was donated on a rejected call
+    assert not state["q_proj"]["A"][0].is_deleted()  # nothing was donated on a rejected call
 
 
 def test_padded_update_rejects():
@@ -434,7 +434,7 @@ def _req(i: int, paths, name=None, int_id=None, path=None) -> LoRARequest:
 def _slot_matches(mgr: AdapterManager, slot: int, path) -> bool:
     ad = read_peft_adapter(path, CFG)
     upd = padded_update(ad, CFG, mgr.max_lora_rank)
-    return all(np.array_equal(np.asarray(mgr.lora_state[m][k][:, slot]), upd[m][k])
+    return all(np.array_equal(np.asarray(mgr.lora_state[m][k])[:, slot], upd[m][k])
                for m in upd for k in ("A", "B"))
 
 

@@ -5,10 +5,14 @@ keeps each token's own R lanes, one matmul [T, N*R] @ b [N*R, O] expands. Cost g
 so it wins while N*R is small. This is the form vLLM's TPU backend and tpu-inference ended up
 with (an einsum XLA can fuse with its neighbours).
 
-Two shrink formulations, picked statically by T (measured on XLA:CPU, docs/kernels.md):
-  * T > 8: einsum "td,ndr->tnr". XLA relayouts a to [D, N*R] (one copy of a) and runs one GEMM.
-  * T <= 8: one batched matvec per slot, x broadcast over N, which reads a in place. At decode
+Two shrink formulations, picked statically by T (measured on XLA:CPU):
+  * T > 64: einsum "td,ndr->tnr". XLA relayouts a to [D, N*R] (one copy of a) and runs one GEMM.
+  * T <= 64: one batched matmul per slot, x broadcast over N, which reads a in place. At decode
     the op is bound by reading a, and the relayout copy would triple that traffic.
+The crossover comes from a model-shaped stream (30 layers x 7 modules of distinct adapters,
+N=4, R=32, so nothing stays in cache): batched/einsum = 8.9/34.0 ms at T=4, 10.5/43.7 at T=16,
+31.8/54.9 at T=64, 204/187 at T=512. An isolated kernel benchmark, which re-reads one cached
+`a`, puts the crossover lower (T=8) and misses the relayout's memory traffic.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import jax.numpy as jnp
 
 from jlora.kernels.common import validate_lora_args
 
-BATCHED_SHRINK_MAX_T = 8  # crossover measured on XLA:CPU (2 cores): batched wins at T<=8 only
+BATCHED_SHRINK_MAX_T = 64  # crossover measured in a model-shaped stream on XLA:CPU (see above)
 
 
 @partial(jax.jit, static_argnames=())

@@ -1,7 +1,8 @@
 """A Llama-family decoder in Flax NNX with multi-slot LoRA on every linear layer.
 
 Weights live in the NNX module; adapter weights do not. They arrive per call as `lora_state`
-(see DESIGN.md): for each target module `{"A": [L, N, in, R], "B": [L, N, R, out]}`, with the
+(see DESIGN.md): for each target module `{"A": [L, N, in, R], "B": [L, N, R, out]}` (held as
+one array per layer, see `init_lora_state`), with the
 PEFT scale already folded into B. Each token reads its own slot via `slot_ids`; -1 reads none.
 
 The KV cache is one region per sequence row: per layer `k, v: [Bc, S, KVH, Dh]`.
@@ -22,7 +23,7 @@ from jlora.models.config import LlamaConfig
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KVCache = list  # per layer {"k": [Bc, S, KVH, Dh], "v": [Bc, S, KVH, Dh]}
-LoRAState = dict  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}
+LoRAState = dict  # module -> {"A": L x [N, in, R], "B": L x [N, R, out]} (one array per layer)
 
 
 # ---- rotary embeddings ------------------------------------------------------------------------
@@ -187,7 +188,7 @@ class Llama(nnx.Module):
         tokens: jax.Array,  # i32[B, T]
         positions: jax.Array,  # i32[B, T], -1 = padding
         cache: KVCache,  # per layer {"k","v": [B, S, KVH, Dh]}
-        lora_state: LoRAState | None = None,  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}
+        lora_state: LoRAState | None = None,  # module -> {"A": L x [N, in, R], "B": L x [N, R, out]}
         seq_slot_ids: jax.Array | None = None,  # i32[B], -1 = base model
         logits_index: jax.Array | None = None,  # i32[B]: which token of each row to produce logits for
         cache_rows: jax.Array | None = None,  # i32[B]: cache row per sequence; None = row b for sequence b
@@ -226,10 +227,16 @@ def init_lora_state(
     cfg: LlamaConfig, max_loras: int, max_rank: int, dtype: Any = jnp.float32,
     modules: tuple[str, ...] = LORA_MODULES,
 ) -> LoRAState:
+    """Empty slots: per module {"A": L x [N, in, R], "B": L x [N, R, out]} (tuples over layers).
+
+    Logically A is [L, N, in, R]; it is kept as one array per layer because XLA:CPU copies a
+    layer's slice out of a stacked array before each matmul, which measured 5x slower for the
+    LoRA part of a decode step (74 ms vs 14 ms, 30 layers x 7 modules, N=4, R=32, T=16).
+    """
     shapes = cfg.module_shapes()
     L = cfg.num_hidden_layers
     return {
-        m: {"A": jnp.zeros((L, max_loras, shapes[m][0], max_rank), dtype),
-            "B": jnp.zeros((L, max_loras, max_rank, shapes[m][1]), dtype)}
+        m: {"A": tuple(jnp.zeros((max_loras, shapes[m][0], max_rank), dtype) for _ in range(L)),
+            "B": tuple(jnp.zeros((max_loras, max_rank, shapes[m][1]), dtype) for _ in range(L))}
         for m in modules
     }
