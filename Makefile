@@ -30,7 +30,7 @@ test: install-test
 	$(PY) -m pytest -q tests
 
 bench: install-test
-	$(VENV)/bin/jlora bench
+	$(VENV)/bin/jlora bench --write
 
 clean:
 	rm -rf $(VENV)

@@ -35,8 +35,13 @@ GATHER_MAX_R = 16  # decode at R <= 16 with fewer than 4 tokens per slot (T < 4N
 GROUPED_MIN_TOKENS_PER_SLOT = 4  # (small per-token copies; grouped 0.55-2x gather at T <= 16).
 #                                  From 4 tokens per slot (T=64, N=16) grouped beat gather 2-6x,
 #                                  and at R=64 by 1.1-10x.
-PREFILL_LANED_MAX_NR = 64  # prefill: laned up to N*R=64 (N=1 always, N=4 at R<=16); grouped
-#                            above (N=16 at R=8 and up, N=4 at R=64): 1.3-21x faster than laned
+PREFILL_LANED_MAX_NR = 512  # prefill: laned up to N*R=512, grouped above.
+#   In isolation grouped already wins from N*R=64 (1.3-21x faster than laned at N=16/R>=8 and
+#   N=4/R=64). But inside the model every one of the 210 LoRA calls (30 layers x 7 modules)
+#   becomes its own loop, and a SmolLM2 prefill graph then took ~40 s to compile instead of
+#   ~5 s (B*T=512, N=4, R=32). Up to N*R=512 laned's extra flops cost less than that; beyond
+#   it (N=16 at R=64, N=64) grouped's N-independent cost wins. Force impl="grouped" for
+#   long-prompt workloads with many slots.
 
 
 def choose_impl(t: int, d: int, o: int, n: int, r: int, backend: str | None = None) -> str:
