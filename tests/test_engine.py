@@ -71,6 +71,16 @@ def test_batch_invariance_together_vs_one_at_a_time(llm):
     assert all(len(t) == 12 for t in together)
 
 
+def test_more_requests_than_kv_regions_all_complete_unchanged(llm):
+    # 10 requests for 4 KV regions: the rest wait their turn (regions never run out mid-request,
+    # so nothing is preempted or dropped) and give the same tokens as when run alone.
+    prompts = [f"Number {i} is" for i in range(10)]
+    together = llm.generate(prompts, greedy(6))
+    assert [o.outputs[0].token_ids for o in together] == [llm.generate([p], greedy(6))[0].outputs[0].token_ids
+                                                          for p in prompts]
+    assert llm.engine.runner.kv_cache_bytes == 2 * 2 * 4 * 128 * 2 * 16 * 4  # layers*kv*seqs*len*heads*dh*f32
+
+
 def test_arrivals_during_decode_and_chunked_prefill_do_not_change_outputs(llm):
     long_prompt = " ".join(f"word{i}" for i in range(40))  # > 32 tokens: prefilled in chunks
     prompts = PROMPTS[:2] + [long_prompt]
