@@ -90,6 +90,7 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, adapter_n
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import jax
     import torch
     import transformers
     from peft import PeftModel
@@ -160,7 +161,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # Adapter churn: 32 distinct adapters through 4 slots, 4 requests at a time.
     churn = [LoRARequest(f"churn{k}", 100 + k, str(adapter_paths[k % 4])) for k in range(32)]
-    llm.engine.adapters.stats.clear() if hasattr(llm.engine.adapters, "stats") else None
     t = time.perf_counter()
     n_tok = 0
     for k in range(0, 32, 4):
@@ -172,8 +172,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["compiles_after_warmup_total"] = compile_stats.compile_count() - compiles_before
 
     roof = measure_roofline()
-    weight_bytes = sum(x.nbytes for x in __import__("jax").tree.leaves(llm.engine.runner.state))
-    lora_bytes = sum(x.nbytes for x in __import__("jax").tree.leaves(llm.engine.adapters.lora_state))
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.state))
+    lora_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.adapters.lora_state))
     flops_per_token = 2 * weight_bytes / 4
     steps_per_s = roof["mem_gbps"] * 1e9 / (weight_bytes + lora_bytes)
     result["roofline"] = {**roof, "weight_mb": weight_bytes / 1e6, "lora_state_mb": lora_bytes / 1e6,
