@@ -148,13 +148,18 @@ def read_peft_config(path: str | Path) -> dict[str, Any]:
     cfg_file = path / ADAPTER_CONFIG
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no {ADAPTER_CONFIG} in adapter directory {str(path)!r}")
+    return _read_json_object(cfg_file)
+
+
+def _read_json_object(file: Path) -> dict[str, Any]:
+    """A JSON object from `file`; ValueError naming the file if it is not one."""
     try:
-        cfg = json.loads(cfg_file.read_text())
+        obj = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"malformed {cfg_file}: {e}") from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"malformed {cfg_file}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg
+        raise ValueError(f"malformed {file}: {e}") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"malformed {file}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def read_peft_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], Path]:
@@ -500,11 +505,8 @@ def load_adapter(
     meta_file = path / JLORA_ADAPTER_META
     if not meta_file.is_file():
         raise FileNotFoundError(f"no {JLORA_ADAPTER_META} in {str(path)!r} (not a converted jlora adapter)")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"malformed {meta_file}: {e}") from e
-    fmt = meta.get("format") if isinstance(meta, dict) else None
+    meta = _read_json_object(meta_file)
+    fmt = meta.get("format")
     if fmt != JLORA_ADAPTER_FORMAT:
         raise ValueError(f"{meta_file}: not a jlora adapter (format={fmt!r}, expected {JLORA_ADAPTER_FORMAT!r})")
     if meta.get("version") != JLORA_ADAPTER_VERSION:
