@@ -47,6 +47,8 @@ class LLM:
         token_buckets: tuple[int, ...] | None = None,
         batch_buckets: tuple[int, ...] | None = None,
         span_buckets: tuple[int, ...] | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
         warmup: bool = True,
         compilation_cache_dir: str | os.PathLike | None = None,
         use_compilation_cache: bool = True,
@@ -71,7 +73,8 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras or max(4 * max_loras, 8), lora_impl=lora_impl,
-            token_buckets=token_buckets, batch_buckets=batch_buckets, span_buckets=span_buckets)
+            token_buckets=token_buckets, batch_buckets=batch_buckets, span_buckets=span_buckets,
+            block_size=block_size, num_kv_blocks=num_kv_blocks)
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else cfg.eos_token_id
         with compile_stats.stage("init"):  # the zero-filled KV cache and adapter slots
             self.engine = LLMEngine(self.model, self.tokenizer, self.config, eos)

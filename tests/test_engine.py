@@ -71,14 +71,42 @@ def test_batch_invariance_together_vs_one_at_a_time(llm):
     assert all(len(t) == 12 for t in together)
 
 
-def test_more_requests_than_kv_regions_all_complete_unchanged(llm):
-    # 10 requests for 4 KV regions: the rest wait their turn (regions never run out mid-request,
-    # so nothing is preempted or dropped) and give the same tokens as when run alone.
+def test_more_requests_than_max_num_seqs_all_complete_unchanged(llm):
+    # 10 requests for 4 sequence places: the rest wait their turn and give the same tokens as alone.
     prompts = [f"Number {i} is" for i in range(10)]
     together = llm.generate(prompts, greedy(6))
     assert [o.outputs[0].token_ids for o in together] == [llm.generate([p], greedy(6))[0].outputs[0].token_ids
                                                           for p in prompts]
-    assert llm.engine.runner.kv_cache_bytes == 2 * 2 * 4 * 128 * 2 * 16 * 4  # layers*kv*seqs*len*heads*dh*f32
+    # Default capacity: max_num_seqs full-length sequences, 128/16 = 8 blocks each.
+    assert llm.config.num_kv_blocks == 4 * 8 and llm.engine.kv.num_free == 32
+    assert llm.engine.runner.kv_cache_bytes == 2 * 2 * 32 * 16 * 2 * 16 * 4  # layers*kv*blocks*bs*heads*dh*f32
+
+
+def test_preemption_under_a_small_kv_cache_keeps_greedy_outputs(tiny_dir, llm, tiny_adapters):
+    # 9 blocks of 16 = 144 positions for 4 sequences that grow to ~75 each: decoding runs out of
+    # blocks, the latest admitted sequences are preempted and recomputed, and nothing changes.
+    small = LLM(str(tiny_dir[0]), progress=False, **{**ENGINE, "num_kv_blocks": 9})
+    prompts = PROMPTS + [" ".join(f"w{i}" for i in range(30))]
+    loras = [None, LoRARequest("p1", 601, str(tiny_adapters[1])), None,
+             LoRARequest("p3", 603, str(tiny_adapters[3])), LoRARequest("p1", 601, str(tiny_adapters[1]))]
+    params = [greedy(60), greedy(60), greedy(60, logprobs=2), greedy(60), greedy(40)]
+    ref = llm.generate(prompts, params, loras)
+    before = compile_stats.compile_count()
+    got = small.generate(prompts, params, loras)
+    assert small.engine.num_preemptions > 0
+    assert compile_stats.compile_count() == before
+    for r, g in zip(ref, got):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == "length"
+        np.testing.assert_allclose([lp[t] for lp, t in zip(g.outputs[0].logprobs or [], g.outputs[0].token_ids)],
+                                   [lp[t] for lp, t in zip(r.outputs[0].logprobs or [], r.outputs[0].token_ids)],
+                                   atol=1e-4)
+    assert small.engine.kv.num_free == 9 and not small.engine.running
+
+
+def test_kv_cache_too_small_for_one_sequence_is_rejected(tiny_dir):
+    with pytest.raises(ValueError, match="num_kv_blocks=7 must hold at least one max_model_len=128"):
+        LLM(str(tiny_dir[0]), progress=False, warmup=False, **{**ENGINE, "num_kv_blocks": 7})
 
 
 def test_arrivals_during_decode_and_chunked_prefill_do_not_change_outputs(llm):
@@ -180,18 +208,18 @@ def test_penalties_follow_vllm_semantics():
     assert int(sample(jnp.asarray(logits[:1]), build_sampling_batch(rows, 1, 8))["tokens"][0]) == 5
 
 
-def test_abort_frees_row_and_slot(llm, tiny_adapters):
+def test_abort_frees_kv_blocks_and_slot(llm, tiny_adapters):
     eng = llm.engine
-    free_rows = len(eng.free_rows)
+    free_blocks = eng.kv.num_free
     req = LoRARequest("abort-me", 500, str(tiny_adapters[0]))
     rid = eng.add_request("Hello there", greedy(50), req)
     eng.step()
     slot = eng.adapters.slot_of("abort-me")
-    assert slot is not None and eng.adapters.pins(slot) == 1 and len(eng.free_rows) == free_rows - 1
+    assert slot is not None and eng.adapters.pins(slot) == 1 and eng.kv.num_free == free_blocks - 1
     eng.abort(rid)
     out = eng.pop_finished(rid)
     assert out.outputs[0].finish_reason == "abort" and out.finished
-    assert eng.adapters.pins(slot) == 0 and len(eng.free_rows) == free_rows
+    assert eng.adapters.pins(slot) == 0 and eng.kv.num_free == free_blocks
     assert not eng.has_unfinished()
 
 

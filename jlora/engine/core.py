@@ -1,8 +1,11 @@
-"""LLMEngine: continuous batching over a fixed set of KV regions and adapter slots.
+"""LLMEngine: continuous batching over a paged KV cache and a fixed set of adapter slots.
 
 `add_request` queues work, `step` runs one scheduling round (a prefill call for newly admitted
 or partially prefilled sequences within the token budget, then one decode call for every
-sequence already decoding), `abort` drops a request and frees its KV region and slot pin.
+sequence already decoding), `abort` drops a request and frees its KV blocks and slot pin.
+When a decoding sequence needs a KV block and none is free, the most recently admitted sequence
+is preempted: its blocks are freed and it is recomputed (prompt + tokens so far) when it is
+admitted again, so nothing is dropped and greedy outputs do not change.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 
 from jlora.adapters.manager import AdapterManager, NoFreeSlotError
 from jlora.adapters.request import LoRARequest
+from jlora.engine.blocks import BlockAllocator
 from jlora.engine.config import EngineConfig, bucket_for
 from jlora.engine.runner import ModelRunner
 from jlora.engine.sequence import Request, Sequence, SeqState
@@ -38,7 +42,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.free_rows = list(range(config.max_num_seqs))
+        self.kv = BlockAllocator(config.num_kv_blocks, config.block_size)
+        self.num_preemptions = 0
         self._ids = itertools.count()
         self._seed_rng = random.Random()
 
@@ -111,9 +116,14 @@ class LLMEngine:
     # ---- scheduling -----------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Strict FIFO: the head waits for a KV region and an adapter slot; nobody overtakes it."""
-        while self.waiting and self.free_rows:
+        """Strict FIFO: the head waits for KV blocks for its prefill, a free sequence place and an
+        adapter slot; nobody overtakes it. Preempted sequences rejoin at the head."""
+        c = self.config
+        while self.waiting and len(self.running) < c.max_num_seqs:
             seq = self.waiting[0]
+            need = c.blocks_for(seq.total_len)
+            if need > self.kv.num_free:
+                return  # running sequences will finish (or be preempted) and free blocks
             if seq.lora is not None:
                 try:
                     seq.slot = self.adapters.acquire(seq.lora)
@@ -124,19 +134,46 @@ class LLMEngine:
                     self._finish(seq, "abort", f"adapter error: {e}")
                     continue
             self.waiting.popleft()
-            seq.row = self.free_rows.pop(0)
+            seq.blocks = self.kv.allocate(need)
             seq.state = SeqState.PREFILL
             self.running.append(seq)
+
+    def _reserve_decode_blocks(self) -> None:
+        """Every decoding sequence needs a block for the position it writes next. When none is
+        free, preempt the most recently admitted sequence (possibly the one asking)."""
+        for seq in [s for s in self.running if s.state is SeqState.DECODE]:
+            if seq.state is not SeqState.DECODE:
+                continue  # preempted for an earlier sequence in this loop
+            need = self.config.blocks_for(seq.total_len) - len(seq.blocks)
+            while need > 0 and self.kv.num_free < need:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.state is SeqState.DECODE and need > 0:
+                seq.blocks += self.kv.allocate(need)
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.blocks)
+        seq.blocks = []
+        if seq.slot >= 0:
+            self.adapters.release(seq.slot)
+            seq.slot = -1
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_computed = 0  # recomputed from scratch: prompt + the tokens generated so far
+        seq.state = SeqState.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)  # victims go latest-first, so FIFO order is kept
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         if seq.state is SeqState.WAITING:
             self.waiting.remove(seq)
         elif seq.state is not SeqState.FINISHED:
-            self.running.remove(seq)
-            self.free_rows.append(seq.row)
-            self.free_rows.sort()  # low rows first keeps the decode batch bucket small
-            if seq.slot >= 0:
-                self.adapters.release(seq.slot)
+            self._release(seq)
         seq.state = SeqState.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         req = self.requests[seq.request_id]
@@ -147,6 +184,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling round. Returns the requests that changed (with their state so far)."""
+        self._reserve_decode_blocks()  # running sequences first: admission gets what is left
         self._admit()
         touched: dict[str, Request] = {}
         decoding = [s for s in self.running if s.state is SeqState.DECODE]
@@ -167,7 +205,7 @@ class LLMEngine:
         best = None
         for t in c.token_buckets:
             take = seqs[: c.max_prefill_seqs(t)]
-            useful = sum(min(len(s.prompt_token_ids) - s.num_computed, t) for s in take)
+            useful = sum(min(s.total_len - s.num_computed, t) for s in take)
             computed = bucket_for(len(take), c.batch_buckets) * t
             # Each call also streams all weights once, worth about PREFILL_CALL_COST_TOKENS tokens.
             key = useful / (computed + PREFILL_CALL_COST_TOKENS)
@@ -175,48 +213,55 @@ class LLMEngine:
                 best = (key, t, take)
         return best[1], best[2]
 
+    def _block_tables(self, seqs: list[Sequence], b: int, span: int) -> np.ndarray:  # i32[b, span // bs]
+        tables = np.zeros((b, self.config.blocks_for(span)), np.int32)  # unused entries are masked out
+        for i, s in enumerate(seqs):
+            blocks = s.blocks[: tables.shape[1]]
+            tables[i, : len(blocks)] = blocks
+        return tables
+
     def _prefill(self, seqs: list[Sequence], touched: dict[str, Request]) -> None:
+        """Prefill (a chunk of) each sequence's prompt, or prompt + outputs after a preemption."""
         c = self.config
         t, seqs = self._choose_prefill_shape(seqs)
         b = bucket_for(len(seqs), c.batch_buckets)
         tokens = np.zeros((b, t), np.int32)
         positions = np.full((b, t), -1, np.int32)
         slots = np.full((b,), -1, np.int32)
-        rows = np.zeros((b,), np.int32)
         last = np.zeros((b,), np.int32)
         done: list[int] = []
         end_max = 1
         for i, s in enumerate(seqs):
-            chunk = s.prompt_token_ids[s.num_computed: s.num_computed + t]
+            chunk = s.all_ids[s.num_computed: s.num_computed + t]
             n = len(chunk)
             tokens[i, :n] = chunk
             positions[i, :n] = np.arange(s.num_computed, s.num_computed + n)
-            slots[i], rows[i], last[i] = s.slot, s.row, n - 1
+            slots[i], last[i] = s.slot, n - 1
             s.num_computed += n
             end_max = max(end_max, s.num_computed)
-            if s.num_computed == len(s.prompt_token_ids):
+            if s.num_computed == s.total_len:
                 done.append(i)
         span = bucket_for(max(end_max, t), tuple(x for x in c.span_buckets if x >= t))
-        logits = self.runner.forward(self.adapters.lora_state, tokens, positions, slots, last, rows, span, "prefill")
+        tables = self._block_tables(seqs, b, span)
+        logits = self.runner.forward(self.adapters.lora_state, tokens, positions, slots, last, tables, "prefill")
         if done:
             self._sample_and_append(logits, b, {i: seqs[i] for i in done}, touched)
 
     def _decode(self, seqs: list[Sequence], touched: dict[str, Request]) -> None:
         c = self.config
-        b = bucket_for(max(s.row for s in seqs) + 1, c.batch_buckets)
+        b = bucket_for(len(seqs), c.batch_buckets)
         tokens = np.zeros((b, 1), np.int32)
         positions = np.full((b, 1), -1, np.int32)
         slots = np.full((b,), -1, np.int32)
-        by_row = {}
-        for s in seqs:
-            tokens[s.row, 0] = s.output_ids[-1]
-            positions[s.row, 0] = s.total_len - 1
-            slots[s.row] = s.slot
-            by_row[s.row] = s
+        for i, s in enumerate(seqs):
+            tokens[i, 0] = s.output_ids[-1]
+            positions[i, 0] = s.total_len - 1
+            slots[i] = s.slot
         span = bucket_for(max(s.total_len for s in seqs), c.span_buckets)
+        tables = self._block_tables(seqs, b, span)
         logits = self.runner.forward(self.adapters.lora_state, tokens, positions, slots,
-                                     np.zeros((b,), np.int32), None, span, "decode")
-        self._sample_and_append(logits, b, by_row, touched)
+                                     np.zeros((b,), np.int32), tables, "decode")
+        self._sample_and_append(logits, b, dict(enumerate(seqs)), touched)
 
     def _sample_and_append(self, logits, b: int, seqs_by_row: dict[int, Sequence], touched) -> None:
         rows = {r: SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_ids, self.eos_token_id)

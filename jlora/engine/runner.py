@@ -1,4 +1,4 @@
-"""ModelRunner: owns the device state (weights, KV cache) and the jitted step and sampler.
+"""ModelRunner: owns the device state (weights, paged KV cache) and the jitted step and sampler.
 
 Host and device meet once per call: the scheduler hands over NumPy index arrays padded to a
 bucket, they go over in one transfer, and only the sampled token ids come back.
@@ -28,12 +28,13 @@ class ModelRunner:
         # A flat list of arrays crosses the jit boundary fastest (NNX state flattens in Python).
         self._weights, self._weights_def = jax.tree.flatten(self.state)
         self.kv_dtype = kv_dtype or model.dtype
-        self.cache = init_cache(self.cfg, config.max_num_seqs, config.max_model_len, self.kv_dtype)
-        self._step = jax.jit(self._step_impl, static_argnames=("span", "lora_impl"), donate_argnames=("cache",))
+        self.cache = init_cache(self.cfg, config.num_kv_blocks, config.block_size, self.kv_dtype)
+        self._step = jax.jit(self._step_impl, static_argnames=("lora_impl",), donate_argnames=("cache",))
 
-    def _step_impl(self, weights, lora_state, cache, tokens, positions, slot_ids, logits_index, rows, *, span, lora_impl):
+    def _step_impl(self, weights, lora_state, cache, tokens, positions, slot_ids, logits_index, block_tables,
+                   *, lora_impl):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
-        return model(tokens, positions, cache, lora_state, slot_ids, logits_index, rows, span=span, lora_impl=lora_impl)
+        return model(tokens, positions, cache, lora_state, slot_ids, logits_index, block_tables, lora_impl=lora_impl)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -46,17 +47,13 @@ class ModelRunner:
         positions: np.ndarray,  # i32[B, T], -1 = padding
         slot_ids: np.ndarray,  # i32[B], -1 = base model
         logits_index: np.ndarray,  # i32[B]
-        rows: np.ndarray | None,  # i32[B] cache rows, or None: sequence b is row b
-        span: int,
+        block_tables: np.ndarray,  # i32[B, span // block_size]: the span bucket is its width
         stage: str,
     ) -> jax.Array:  # f32[B, V], stays on device
-        args = (tokens, positions, slot_ids, logits_index) + (() if rows is None else (rows,))
-        dev = jax.device_put(args)  # one transfer for all index arrays
-        if rows is None:
-            dev = (*dev, None)
+        dev = jax.device_put((tokens, positions, slot_ids, logits_index, block_tables))  # one transfer
         with compile_stats.stage(stage):
             logits, self.cache = self._step(
-                self._weights, lora_state, self.cache, *dev, span=span, lora_impl=self.config.lora_impl)
+                self._weights, lora_state, self.cache, *dev, lora_impl=self.config.lora_impl)
         return logits
 
     def sample(self, logits: jax.Array, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -71,16 +68,12 @@ class ModelRunner:
         jobs: list[tuple[str, tuple[int, ...]]] = [("prefill", s) for s in c.prefill_shapes()]
         jobs += [("decode", s) for s in c.decode_shapes()]
         for (name, shape) in tqdm(jobs, desc="jlora warm-up (compiling graphs)", disable=not progress):
-            if name == "prefill":
-                b, t, span = shape
-                rows = np.zeros((b,), np.int32)
-            else:
-                b, span = shape
-                t, rows = 1, None
+            b, t, span = shape if name == "prefill" else (shape[0], 1, shape[1])
             tokens = np.zeros((b, t), np.int32)
             positions = np.full((b, t), -1, np.int32)  # all padding: writes are dropped
+            tables = np.zeros((b, c.blocks_for(span)), np.int32)
             logits = self.forward(lora_state, tokens, positions, np.full((b,), -1, np.int32),
-                                  np.zeros((b,), np.int32), rows, span, name)
+                                  np.zeros((b,), np.int32), tables, name)
         for b in c.batch_buckets:
             logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
             self.sample(logits, build_sampling_batch({}, b, c.max_model_len))

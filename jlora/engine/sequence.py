@@ -27,9 +27,10 @@ class Sequence:
     seed: int
     lora: LoRARequest | None
     state: SeqState = SeqState.WAITING
-    row: int = -1  # KV cache region
+    blocks: list[int] = dataclasses.field(default_factory=list)  # KV cache blocks, in position order
     slot: int = -1  # adapter slot, -1 = base model
     num_computed: int = 0  # tokens already in the KV cache
+    num_preemptions: int = 0
     output_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None

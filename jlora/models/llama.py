@@ -5,7 +5,10 @@ Weights live in the NNX module; adapter weights do not. They arrive per call as 
 one array per layer, see `init_lora_state`), with the
 PEFT scale already folded into B. Each token reads its own slot via `slot_ids`; -1 reads none.
 
-The KV cache is one region per sequence row: per layer `k, v: [Bc, S, KVH, Dh]`.
+The KV cache is paged: per layer `k, v: [num_blocks, block_size, KVH, Dh]`, and each sequence's
+block table `i32[B, span // block_size]` lists the blocks holding its positions in order. Without a
+block table the cache is read as one region per sequence (block b holds all of sequence b), which
+is what `init_cache(cfg, batch, max_len)` builds for direct model calls.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from jlora.kernels import lora_delta
 from jlora.models.config import LlamaConfig
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-KVCache = list  # per layer {"k": [Bc, S, KVH, Dh], "v": [Bc, S, KVH, Dh]}
+KVCache = list  # per layer {"k": [num_blocks, block_size, KVH, Dh], "v": same}
 LoRAState = dict  # module -> {"A": L x [N, in, R], "B": L x [N, R, out]} (one array per layer)
 
 
@@ -103,9 +106,9 @@ class Attention(nnx.Module):
         self.o_proj = LoRALinear(h * dh, d, dtype, rngs)
         self.h, self.kvh, self.dh = h, kvh, dh
 
-    def __call__(self, x, positions, cache, rows, lora, slot_ids, inv_freq, span, lora_impl):
-        """x [B, T, D], positions i32[B, T] (-1 = padding), cache {"k","v": [Bc, S, KVH, Dh]},
-        rows i32[B]: each sequence's cache row, or None when sequence b sits in row b."""
+    def __call__(self, x, positions, cache, block_tables, lora, slot_ids, inv_freq, span, lora_impl):
+        """x [B, T, D], positions i32[B, T] (-1 = padding), cache {"k","v": [NB, bs, KVH, Dh]},
+        block_tables i32[B, span // bs], or None when sequence b owns block b (bs >= span)."""
         bsz, t, _ = x.shape
         get = lambda name: lora.get(name) if lora else None  # noqa: E731
         q = self.q_proj(x, get("q_proj"), slot_ids, lora_impl).reshape(bsz, t, self.h, self.dh)
@@ -114,19 +117,25 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
 
-        # Write new keys/values at their positions; padding (position -1) goes out of range and is dropped.
-        s_max = cache["k"].shape[1]
-        write_pos = jnp.where(positions >= 0, positions, s_max)
-        row_of = jnp.arange(bsz) if rows is None else rows
-        row_idx = jnp.broadcast_to(row_of[:, None], (bsz, t))
-        k_cache = cache["k"].at[row_idx, write_pos].set(k.astype(cache["k"].dtype), mode="drop")
-        v_cache = cache["v"].at[row_idx, write_pos].set(v.astype(cache["v"].dtype), mode="drop")
-
-        # Attend to the first `span` cache positions (a static bucket), causally.
-        if rows is None:  # sequence b sits in row b: a static slice, no gather
-            keys, values = k_cache[:bsz, :span], v_cache[:bsz, :span]  # [B, span, KVH, Dh]
+        # Write new keys/values at (block of position, offset); padding (position -1) goes to an
+        # out-of-range block and is dropped.
+        num_blocks, bs = cache["k"].shape[:2]
+        if block_tables is None:
+            block = jnp.broadcast_to(jnp.arange(bsz)[:, None], (bsz, t))
+            offset = positions
         else:
-            keys, values = k_cache[rows, :span], v_cache[rows, :span]
+            block = jnp.take_along_axis(block_tables, jnp.maximum(positions, 0) // bs, axis=1)
+            offset = positions % bs
+        block = jnp.where(positions >= 0, block, num_blocks)
+        k_cache = cache["k"].at[block, offset].set(k.astype(cache["k"].dtype), mode="drop")
+        v_cache = cache["v"].at[block, offset].set(v.astype(cache["v"].dtype), mode="drop")
+
+        # Attend to the first `span` positions (a static bucket), causally.
+        if block_tables is None:  # a static slice, no gather
+            keys, values = k_cache[:bsz, :span], v_cache[:bsz, :span]  # [B, span, KVH, Dh]
+        else:  # gather the sequence's blocks in order: [B, span // bs, bs, ...] -> [B, span, ...]
+            keys = k_cache[block_tables].reshape(bsz, span, self.kvh, self.dh)
+            values = v_cache[block_tables].reshape(bsz, span, self.kvh, self.dh)
         g = self.h // self.kvh
         qg = q.reshape(bsz, t, self.kvh, g, self.dh)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
@@ -161,9 +170,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, cache, rows, lora, slot_ids, inv_freq, span, lora_impl):
+    def __call__(self, x, positions, cache, block_tables, lora, slot_ids, inv_freq, span, lora_impl):
         h, cache = self.self_attn(
-            self.input_layernorm(x), positions, cache, rows, lora, slot_ids, inv_freq, span, lora_impl)
+            self.input_layernorm(x), positions, cache, block_tables, lora, slot_ids, inv_freq, span, lora_impl)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x), lora, slot_ids, lora_impl)
         return x, cache
@@ -187,16 +196,18 @@ class Llama(nnx.Module):
         self,
         tokens: jax.Array,  # i32[B, T]
         positions: jax.Array,  # i32[B, T], -1 = padding
-        cache: KVCache,  # per layer {"k","v": [B, S, KVH, Dh]}
+        cache: KVCache,  # per layer {"k","v": [NB, bs, KVH, Dh]}
         lora_state: LoRAState | None = None,  # module -> {"A": L x [N, in, R], "B": L x [N, R, out]}
         seq_slot_ids: jax.Array | None = None,  # i32[B], -1 = base model
         logits_index: jax.Array | None = None,  # i32[B]: which token of each row to produce logits for
-        cache_rows: jax.Array | None = None,  # i32[B]: cache row per sequence; None = row b for sequence b
+        block_tables: jax.Array | None = None,  # i32[B, span // bs]; None = sequence b owns block b
         *,
         span: int | None = None,
         lora_impl: str = "auto",
     ) -> tuple[jax.Array, KVCache]:  # logits f32[B, V] (or [B, T, V] without logits_index), new cache
         bsz, t = tokens.shape
+        if block_tables is not None:
+            span = block_tables.shape[1] * cache[0]["k"].shape[1]
         span = span or cache[0]["k"].shape[1]
         if seq_slot_ids is None:
             seq_slot_ids = jnp.full((bsz,), -1, jnp.int32)
@@ -208,7 +219,7 @@ class Llama(nnx.Module):
             lora = None
             if lora_state:
                 lora = {m: {"A": s["A"][i], "B": s["B"][i]} for m, s in lora_state.items()}
-            x, c = layer(x, positions, cache[i], cache_rows, lora, slot_ids, self.inv_freq[...], span, lora_impl)
+            x, c = layer(x, positions, cache[i], block_tables, lora, slot_ids, self.inv_freq[...], span, lora_impl)
             new_cache.append(c)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
@@ -218,8 +229,9 @@ class Llama(nnx.Module):
         return logits, new_cache
 
 
-def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
-    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+def init_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32) -> KVCache:
+    """Zeroed KV cache; `init_cache(cfg, batch, max_len)` is one region (block) per sequence."""
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_hidden_layers)]
 
 
