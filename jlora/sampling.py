@@ -174,8 +174,11 @@ def sample(
     b, v = logits.shape
     # Suppress EOS / stop tokens of rows still short of min_tokens.
     banned = batch["banned"]
-    logits = logits.at[jnp.broadcast_to(jnp.arange(b)[:, None], banned.shape), jnp.where(banned >= 0, banned, v)].set(
-        -jnp.inf, mode="drop")
+    logits = jax.lax.cond(
+        jnp.any(banned >= 0),
+        lambda: logits.at[jnp.broadcast_to(jnp.arange(b)[:, None], banned.shape),
+                          jnp.where(banned >= 0, banned, v)].set(-jnp.inf, mode="drop"),
+        lambda: logits)
     logits = jax.lax.cond(
         jnp.any((batch["repetition_penalty"] != 1.0) | (batch["presence_penalty"] != 0.0)
                 | (batch["frequency_penalty"] != 0.0)),
@@ -185,15 +188,15 @@ def sample(
     temperature = batch["temperature"]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_sampled = temperature > 0
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    scaled = lambda: logits / jnp.maximum(temperature, 1e-6)[:, None]  # noqa: E731  (only when sampling)
     # A per-request key, folded with the row's own token counter: independent of batch composition.
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(batch["seeds"], batch["counters"])
 
     def plain() -> jax.Array:
-        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jax.vmap(jax.random.categorical)(keys, scaled()).astype(jnp.int32)
 
     def filtered() -> jax.Array:
-        masked, order = _filtered_logits(scaled, batch["top_k"], batch["top_p"], batch["min_p"])
+        masked, order = _filtered_logits(scaled(), batch["top_k"], batch["top_p"], batch["min_p"])
         choice = jax.vmap(jax.random.categorical)(keys, masked)  # index into the sorted order
         return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 

@@ -5,7 +5,7 @@ Weights live in the NNX module; adapter weights do not. They arrive per call as 
 one array per layer, see `init_lora_state`), with the
 PEFT scale already folded into B. Each token reads its own slot via `slot_ids`; -1 reads none.
 
-The KV cache is paged: per layer `k, v: [num_blocks, block_size, KVH, Dh]`, and each sequence's
+The KV cache is paged: per layer `k, v: [KVH, num_blocks, block_size, Dh]`, and each sequence's
 block table `i32[B, span // block_size]` lists the blocks holding its positions in order. Without a
 block table the cache is read as one region per sequence (block b holds all of sequence b), which
 is what `init_cache(cfg, batch, max_len)` builds for direct model calls.
@@ -25,7 +25,7 @@ from jlora.kernels import lora_delta
 from jlora.models.config import LlamaConfig
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-KVCache = list  # per layer {"k": [num_blocks, block_size, KVH, Dh], "v": same}
+KVCache = list  # per layer {"k": [KVH, num_blocks, block_size, Dh], "v": same}
 LoRAState = dict  # module -> {"A": L x [N, in, R], "B": L x [N, R, out]} (one array per layer)
 
 
@@ -107,7 +107,7 @@ class Attention(nnx.Module):
         self.h, self.kvh, self.dh = h, kvh, dh
 
     def __call__(self, x, positions, cache, block_tables, lora, slot_ids, inv_freq, span, lora_impl):
-        """x [B, T, D], positions i32[B, T] (-1 = padding), cache {"k","v": [NB, bs, KVH, Dh]},
+        """x [B, T, D], positions i32[B, T] (-1 = padding), cache {"k","v": [KVH, NB, bs, Dh]},
         block_tables i32[B, span // bs], or None when sequence b owns block b (bs >= span)."""
         bsz, t, _ = x.shape
         get = lambda name: lora.get(name) if lora else None  # noqa: E731
@@ -119,7 +119,7 @@ class Attention(nnx.Module):
 
         # Write new keys/values at (block of position, offset); padding (position -1) goes to an
         # out-of-range block and is dropped.
-        num_blocks, bs = cache["k"].shape[:2]
+        num_blocks, bs = cache["k"].shape[1:3]
         if block_tables is None:
             block = jnp.broadcast_to(jnp.arange(bsz)[:, None], (bsz, t))
             offset = positions
@@ -127,26 +127,40 @@ class Attention(nnx.Module):
             block = jnp.take_along_axis(block_tables, jnp.maximum(positions, 0) // bs, axis=1)
             offset = positions % bs
         block = jnp.where(positions >= 0, block, num_blocks)
-        k_cache = cache["k"].at[block, offset].set(k.astype(cache["k"].dtype), mode="drop")
-        v_cache = cache["v"].at[block, offset].set(v.astype(cache["v"].dtype), mode="drop")
+        heads_first = lambda a, c: jnp.transpose(a, (2, 0, 1, 3)).astype(c.dtype)  # noqa: E731  [KVH, B, T, Dh]
+        k_cache = cache["k"].at[:, block, offset].set(heads_first(k, cache["k"]), mode="drop")
+        v_cache = cache["v"].at[:, block, offset].set(heads_first(v, cache["v"]), mode="drop")
 
         # Attend to the first `span` positions (a static bucket), causally.
         if block_tables is None:  # a static slice, no gather
-            keys, values = k_cache[:bsz, :span], v_cache[:bsz, :span]  # [B, span, KVH, Dh]
-        else:  # gather the sequence's blocks in order: [B, span // bs, bs, ...] -> [B, span, ...]
-            keys = k_cache[block_tables].reshape(bsz, span, self.kvh, self.dh)
-            values = v_cache[block_tables].reshape(bsz, span, self.kvh, self.dh)
-        g = self.h // self.kvh
-        qg = q.reshape(bsz, t, self.kvh, g, self.dh)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(self.dh)
-        key_pos = jnp.arange(span)
-        allowed = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, span]
-        scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
-        out = out.reshape(bsz, t, self.h * self.dh).astype(x.dtype)
+            keys, values = k_cache[:, :bsz, :span], v_cache[:, :bsz, :span]  # [KVH, B, span, Dh]
+        else:  # gather the sequence's blocks in order: [KVH, B, span // bs, bs, Dh] -> [KVH, B, span, Dh]
+            keys = k_cache[:, block_tables].reshape(self.kvh, bsz, span, self.dh)
+            values = v_cache[:, block_tables].reshape(self.kvh, bsz, span, self.dh)
+        out = attention(q, keys, values, positions).reshape(bsz, t, self.h * self.dh).astype(x.dtype)
         return self.o_proj(out, get("o_proj"), slot_ids, lora_impl), {"k": k_cache, "v": v_cache}
+
+
+def attention(
+    q: jax.Array,  # [B, T, H, Dh]
+    keys: jax.Array,  # [KVH, B, S, Dh]
+    values: jax.Array,  # [KVH, B, S, Dh]
+    positions: jax.Array,  # i32[B, T]: query positions; key j is visible to query at p iff j <= p
+) -> jax.Array:  # f32[B, T, H, Dh]
+    """Grouped-query attention. Keys and values come heads-first, the layout the batched dots
+    want, so gathering blocks needs no transpose."""
+    bsz, t, h, dh = q.shape
+    kvh = keys.shape[0]
+    qg = q.reshape(bsz, t, kvh, h // kvh, dh)
+    # Keys are the left operand ([S, Dh] rows, contracted on their minor axis): no transpose of keys.
+    scores = jnp.einsum("kbsd,btkgd->kbstg", keys, qg, preferred_element_type=jnp.float32) / math.sqrt(dh)
+    allowed = jnp.arange(keys.shape[2])[None, :, None] <= positions[:, None, :]  # [B, S, T]
+    scores = jnp.where(allowed[None, :, :, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=2).astype(values.dtype)
+    # Output heads-first too, transposed after: asking for [B, T, ...] directly makes XLA:CPU
+    # swap the dot's operands and transpose all of `values` instead of the small output.
+    out = jnp.einsum("kbstg,kbsd->kbtgd", probs, values, preferred_element_type=jnp.float32)
+    return jnp.transpose(out, (1, 2, 0, 3, 4)).reshape(bsz, t, h, dh)
 
 
 class MLP(nnx.Module):
@@ -196,7 +210,7 @@ class Llama(nnx.Module):
         self,
         tokens: jax.Array,  # i32[B, T]
         positions: jax.Array,  # i32[B, T], -1 = padding
-        cache: KVCache,  # per layer {"k","v": [NB, bs, KVH, Dh]}
+        cache: KVCache,  # per layer {"k","v": [KVH, NB, bs, Dh]}
         lora_state: LoRAState | None = None,  # module -> {"A": L x [N, in, R], "B": L x [N, R, out]}
         seq_slot_ids: jax.Array | None = None,  # i32[B], -1 = base model
         logits_index: jax.Array | None = None,  # i32[B]: which token of each row to produce logits for
@@ -207,8 +221,8 @@ class Llama(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:  # logits f32[B, V] (or [B, T, V] without logits_index), new cache
         bsz, t = tokens.shape
         if block_tables is not None:
-            span = block_tables.shape[1] * cache[0]["k"].shape[1]
-        span = span or cache[0]["k"].shape[1]
+            span = block_tables.shape[1] * cache[0]["k"].shape[2]
+        span = span or cache[0]["k"].shape[2]
         if seq_slot_ids is None:
             seq_slot_ids = jnp.full((bsz,), -1, jnp.int32)
         # Padding tokens must never read a real slot.
@@ -230,8 +244,8 @@ class Llama(nnx.Module):
 
 
 def init_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32) -> KVCache:
-    """Zeroed KV cache; `init_cache(cfg, batch, max_len)` is one region (block) per sequence."""
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    """Zeroed KV cache, heads first; `init_cache(cfg, batch, max_len)` is one region (block) per sequence."""
+    shape = (cfg.num_key_value_heads, num_blocks, block_size, cfg.head_dim)
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_hidden_layers)]
 
 
