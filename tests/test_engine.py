@@ -103,6 +103,25 @@ def test_preemption_under_a_small_kv_cache_keeps_greedy_outputs(tiny_dir, llm, t
                                    atol=1e-4)
     assert small.engine.kv.num_free == 9 and not small.engine.running
 
+    # Aborting a preempted (waiting) request frees nothing twice; the others, n=2 included, finish unchanged.
+    eng = small.engine
+    rids = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, n=2) if i == 0 else greedy(60)) for i, p in enumerate(prompts[:4])]
+    preempted = None
+    while preempted is None and eng.has_unfinished():
+        eng.step()
+        preempted = next((s for s in eng.waiting if s.num_preemptions and s.request_id != rids[0]), None)
+    assert preempted is not None
+    eng.abort(preempted.request_id)
+    while eng.has_unfinished():
+        eng.step()
+    outs = {r: eng.pop_finished(r) for r in rids}
+    assert outs[preempted.request_id].outputs[0].finish_reason == "abort"
+    assert [o.token_ids for o in outs[rids[0]].outputs] == [ref[0].outputs[0].token_ids] * 2
+    for i, r in enumerate(rids[1:], 1):
+        if r != preempted.request_id:
+            assert outs[r].outputs[0].token_ids == llm.generate([prompts[i]], greedy(60))[0].outputs[0].token_ids
+    assert eng.kv.num_free == 9 and all(eng.adapters.pins(s) == 0 for s in range(4))
+
 
 def test_kv_cache_too_small_for_one_sequence_is_rejected(tiny_dir):
     with pytest.raises(ValueError, match="num_kv_blocks=7 must hold at least one max_model_len=128"):
