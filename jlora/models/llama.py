@@ -152,13 +152,16 @@ def attention(
     bsz, t, h, dh = q.shape
     kvh = keys.shape[0]
     qg = q.reshape(bsz, t, kvh, h // kvh, dh)
-    # Keys are the left operand ([S, Dh] rows, contracted on their minor axis): no transpose of keys.
-    scores = jnp.einsum("kbsd,btkgd->kbstg", keys, qg, preferred_element_type=jnp.float32) / math.sqrt(dh)
-    allowed = jnp.arange(keys.shape[2])[None, :, None] <= positions[:, None, :]  # [B, S, T]
-    scores = jnp.where(allowed[None, :, :, :, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=2).astype(values.dtype)
-    # Output heads-first too, transposed after: asking for [B, T, ...] directly makes XLA:CPU
-    # swap the dot's operands and transpose all of `values` instead of the small output.
+    # Operand orders and the small transposes around the softmax are chosen for XLA:CPU (profiled
+    # in a SmolLM2 B=16 decode step, attention 27 -> 23 ms): softmax over the minor axis, then
+    # probabilities as [.., S, T, G] and the output heads-first, so `values` are read as they lie
+    # (asking for [B, T, ...] directly made XLA transpose all of `values`). XLA still transposes the
+    # keys for the scores dot; transposing the queries instead measured slower.
+    scores = jnp.einsum("kbsd,btkgd->kbtgs", keys, qg, preferred_element_type=jnp.float32) / math.sqrt(dh)
+    allowed = jnp.arange(keys.shape[2])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(allowed[None, :, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    probs = jnp.transpose(probs, (0, 1, 4, 2, 3))  # [KVH, B, S, T, G]
     out = jnp.einsum("kbstg,kbsd->kbtgd", probs, values, preferred_element_type=jnp.float32)
     return jnp.transpose(out, (1, 2, 0, 3, 4)).reshape(bsz, t, h, dh)
 
