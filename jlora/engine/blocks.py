@@ -6,9 +6,8 @@ import heapq
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.block_size = block_size
         self._free = list(range(num_blocks))  # a heap: low ids first keeps reuse predictable
 
     @property

@@ -42,7 +42,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.kv = BlockAllocator(config.num_kv_blocks, config.block_size)
+        self.kv = BlockAllocator(config.num_kv_blocks)
         self.num_preemptions = 0
         self._ids = itertools.count()
         self._seed_rng = random.Random()

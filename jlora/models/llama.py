@@ -147,8 +147,7 @@ def attention(
     values: jax.Array,  # [KVH, B, S, Dh]
     positions: jax.Array,  # i32[B, T]: query positions; key j is visible to query at p iff j <= p
 ) -> jax.Array:  # f32[B, T, H, Dh]
-    """Grouped-query attention. Keys and values come heads-first, the layout the batched dots
-    want, so gathering blocks needs no transpose."""
+    """Grouped-query attention over keys and values gathered heads-first (batch dims KVH, B)."""
     bsz, t, h, dh = q.shape
     kvh = keys.shape[0]
     qg = q.reshape(bsz, t, kvh, h // kvh, dh)
