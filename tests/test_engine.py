@@ -12,48 +12,8 @@ ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random Llama checkpoint (full SmolLM2 vocabulary) plus the GGUF tokenizer, in HF format."""
-    from jlora.models import default_model_path
-    from jlora.tokenizer import load_gguf_tokenizer
-
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
-                                   eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharper than uniform, so greedy runs repeat themselves and penalties show
-        model.lm_head.weight.mul_(8.0)
-    path = tmp_path_factory.mktemp("tiny_engine")
-    model.save_pretrained(path, safe_serialization=True)
-    load_gguf_tokenizer(default_model_path()).save_pretrained(path)
-    return path, model
-
-
-@pytest.fixture(scope="module")
 def llm(tiny_dir):
     return LLM(str(tiny_dir[0]), progress=False, **ENGINE)
-
-
-@pytest.fixture(scope="module")
-def tiny_adapters(tiny_dir, tmp_path_factory):
-    """16 peft adapters (ranks 2-8, varied targets) for the tiny model."""
-    from peft import LoraConfig, get_peft_model
-
-    _, model = tiny_dir
-    root = tmp_path_factory.mktemp("tiny_adapters")
-    targets = [["q_proj", "v_proj"], "all-linear", ["gate_proj", "down_proj"], ["o_proj", "k_proj", "up_proj"]]
-    paths = []
-    for i in range(16):
-        torch.manual_seed(i)
-        name = f"a{i}"
-        pm = get_peft_model(model, LoraConfig(r=2 + (i % 4) * 2, lora_alpha=8, target_modules=targets[i % 4],
-                                              init_lora_weights=False), adapter_name=name)
-        pm.save_pretrained(root, selected_adapters=[name])
-        pm.unload()
-        paths.append(root / name)
-    return paths
 
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog and keeps on running far away",
