@@ -150,18 +150,25 @@ def _apply_penalties(logits, history, n_prompt, rep, presence, frequency):  # f3
     return logits
 
 
-def _filtered_logits(scaled, top_k, top_p, min_p):  # f32[B, V] -> (masked sorted logits, order)
-    v = scaled.shape[-1]
-    order = jnp.argsort(-scaled, axis=-1)  # [B, V], best first
+def _filter_mask(scaled, top_k, top_p, min_p):  # f32[B, V] -> bool[B, V] (vocabulary order)
+    """Tokens that survive top-k, then top-p over the top-k distribution, then min-p.
+
+    Rows with top_k <= 0, top_p == 1 and min_p == 0 keep every token, so a row's draw does not
+    depend on whether other rows in the batch filter.
+    """
+    b, v = scaled.shape
+    order = jnp.argsort(-scaled, axis=-1)  # [B, V], best first (stable: ties keep vocabulary order)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(v)[None, :]
     keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    # top-p: keep the smallest prefix whose mass reaches p (the best token always stays).
+    # top-p: keep the smallest prefix whose mass reaches p (the best token always stays); p = 1
+    # keeps all even where rounding makes the running sum reach 1 early.
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < top_p[:, None]
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     keep &= probs >= min_p[:, None] * probs[:, :1]
-    return jnp.where(keep, sorted_logits, -jnp.inf), order
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, v))
+    return jnp.zeros((b, v), bool).at[rows, order].set(keep)
 
 
 @jax.jit
@@ -169,8 +176,7 @@ def sample(
     logits: jax.Array,  # f32[B, V]
     batch: dict[str, jax.Array],  # from build_sampling_batch
 ) -> dict[str, jax.Array]:  # tokens i32[B]; token_logprob f32[B]; top_ids i32[B, K]; top_logprobs f32[B, K]
-    logits = logits.astype(jnp.float32)
-    raw_logprobs_of = lambda: jax.nn.log_softmax(logits, axis=-1)  # noqa: E731  (the model's distribution)
+    logits = raw = logits.astype(jnp.float32)
     b, v = logits.shape
     # Suppress EOS / stop tokens of rows still short of min_tokens.
     banned = batch["banned"]
@@ -190,15 +196,17 @@ def sample(
     is_sampled = temperature > 0
     scaled = lambda: logits / jnp.maximum(temperature, 1e-6)[:, None]  # noqa: E731  (only when sampling)
     # A per-request key, folded with the row's own token counter: independent of batch composition.
+    # Every path draws over the vocabulary in its own order with that key (Gumbel-max), so a row's
+    # token depends only on its logits, parameters, seed and step.
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(batch["seeds"], batch["counters"])
 
     def plain() -> jax.Array:
         return jax.vmap(jax.random.categorical)(keys, scaled()).astype(jnp.int32)
 
     def filtered() -> jax.Array:
-        masked, order = _filtered_logits(scaled(), batch["top_k"], batch["top_p"], batch["min_p"])
-        choice = jax.vmap(jax.random.categorical)(keys, masked)  # index into the sorted order
-        return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        x = scaled()
+        keep = _filter_mask(x, batch["top_k"], batch["top_p"], batch["min_p"])
+        return jax.vmap(jax.random.categorical)(keys, jnp.where(keep, x, -jnp.inf)).astype(jnp.int32)
 
     # The full-vocabulary sort is the expensive part: run it only when some row filters.
     needs_filter = jnp.any(is_sampled & ((batch["top_k"] > 0) | (batch["top_p"] < 1.0) | (batch["min_p"] > 0.0)))
@@ -206,8 +214,8 @@ def sample(
         jnp.any(is_sampled), lambda: jax.lax.cond(needs_filter, filtered, plain), lambda: greedy)
     tokens = jnp.where(is_sampled, sampled, greedy)
 
-    def with_logprobs():
-        lp = raw_logprobs_of()
+    def with_logprobs():  # the model's own distribution: before bans, penalties and temperature
+        lp = jax.nn.log_softmax(raw, axis=-1)
         top_lp, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, v))
         return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 

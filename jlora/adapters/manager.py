@@ -148,12 +148,22 @@ def padded_update(
 _Version = tuple  # (name, int_id, resolved path, file fingerprint)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdapterHandle:
+    """One adapter version as converted when a request arrived. A request holds its handle, so a
+    preempted request that is admitted again gets the same weights even if the files changed."""
+
+    version: _Version
+    adapter: LoRAAdapter
+
+
 @dataclasses.dataclass
 class _Slot:
     version: _Version
     pins: int = 0
     last_used: int = 0
     stale: bool = False  # an older version of its name: never handed out again, freed when unpinned
+    adapter: LoRAAdapter | None = None  # the host copy it was written from
 
     @property
     def name(self) -> str:
@@ -212,6 +222,7 @@ class AdapterManager:
         self.lora_state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, dtype, self.modules)
         self._slots: list[_Slot | None] = [None] * max_loras
         self._host: collections.OrderedDict[_Version, LoRAAdapter] = collections.OrderedDict()
+        self._current: dict[str, _Version] = {}  # name -> its newest version seen
         self._clock = 0
         self._lock = threading.RLock()
         self.stats = collections.Counter()  # disk_loads, host_hits, slot_hits, slot_writes, evictions
@@ -225,8 +236,9 @@ class AdapterManager:
             if free:
                 self._write(free[0], None)
 
-    def prepare(self, req: LoRARequest) -> None:
-        """Read and convert `req`'s adapter into the host cache unless it is already resident.
+    def prepare(self, req: LoRARequest) -> AdapterHandle:
+        """Read and convert `req`'s adapter (the host cache is used and filled) and return a handle
+        to exactly this version, for `acquire(req, handle)`.
 
         Touches no slot. Raises ValueError / FileNotFoundError for a bad adapter, so a caller can
         reject a request up front instead of when it is scheduled.
@@ -235,21 +247,28 @@ class AdapterManager:
         with self._lock:
             version = self._version(req)
             self._check_int_id(req)
-            if any(s is not None and not s.stale and s.version == version for s in self._slots):
-                return
-            self._load(version, req)
+            resident = [s.adapter for s in self._slots if s is not None and s.version == version and s.adapter]
+            adapter = resident[0] if resident else self._load(version, req)
+            self._current[req.lora_name] = version
+            return AdapterHandle(version, adapter)
 
-    def acquire(self, req: LoRARequest | None) -> int:
+    def acquire(self, req: LoRARequest | None, handle: AdapterHandle | None = None) -> int:
         """A pinned device slot holding `req`'s adapter (-1 for None = base model).
 
         Reuses the slot if the adapter is resident; otherwise loads it (host cache, else disk)
         into a free slot or the least recently used unpinned one. Raises NoFreeSlotError when all
         slots are pinned, and ValueError/FileNotFoundError for a bad adapter; in both cases no
         slot changes.
+
+        With a `handle` (from `prepare`), the slot holds exactly that version, read nothing from
+        disk: if the name has moved on to a newer version (or was unloaded), the slot is written
+        as a retired one that only this and other holders of the handle's version use.
         """
         if req is None:
             return -1
         self._check_request(req)
+        if handle is not None:
+            return self._acquire_handle(req, handle)
         with self._lock:
             version = self._version(req)
             self._check_int_id(req)
@@ -269,11 +288,38 @@ class AdapterManager:
             adapter = self._load(version, req)  # may raise: nothing has changed yet
             update = padded_update(adapter, self.model_cfg, self.max_lora_rank, self.modules, self.dtype)
             self._retire_other_versions(version)
-            if self._slots[victim] is not None:
-                self.stats["evictions"] += 1
-            self._write(victim, update)
-            self._slots[victim] = _Slot(version, pins=1, last_used=self._tick())
+            self._current[req.lora_name] = version
+            self._write_pinned(victim, version, update, stale=False, adapter=adapter)
             return victim
+
+    def _acquire_handle(self, req: LoRARequest, handle: AdapterHandle) -> int:
+        if handle.version[0] != req.lora_name:
+            raise ValueError(f"acquire: handle is for adapter {handle.version[0]!r}, request names {req.lora_name!r}")
+        with self._lock:
+            version = handle.version
+            for i, s in enumerate(self._slots):  # resident, current or retired
+                if s is not None and s.version == version:
+                    s.pins += 1
+                    s.last_used = self._tick()
+                    self.stats["slot_hits"] += 1
+                    return i
+            current = self._current.get(req.lora_name) == version
+            victim = self._pick_slot(also_free=lambda s: current and s.name == req.lora_name)
+            if victim is None:
+                raise NoFreeSlotError(
+                    f"all {self.max_loras} adapter slots are pinned by running requests; cannot load "
+                    f"{req.lora_name!r} until one is released (or raise max_loras)")
+            update = padded_update(handle.adapter, self.model_cfg, self.max_lora_rank, self.modules, self.dtype)
+            if current:
+                self._retire_other_versions(version)
+            self._write_pinned(victim, version, update, stale=not current, adapter=handle.adapter)
+            return victim
+
+    def _write_pinned(self, slot: int, version: _Version, update: dict, stale: bool, adapter: LoRAAdapter) -> None:
+        if self._slots[slot] is not None:
+            self.stats["evictions"] += 1
+        self._write(slot, update)
+        self._slots[slot] = _Slot(version, pins=1, last_used=self._tick(), stale=stale, adapter=adapter)
 
     def release(self, slot: int) -> None:
         """Unpin one acquire of `slot` (-1 is the base model: a no-op)."""
@@ -295,6 +341,7 @@ class AdapterManager:
         else when released). Returns whether anything was known under that name."""
         with self._lock:
             found = False
+            self._current.pop(name, None)
             for v in [v for v in self._host if v[0] == name]:
                 del self._host[v]
                 found = True

@@ -65,15 +65,17 @@ class LLMEngine:
                              f"(the prompt must be at most {limit - 1} tokens)")
         if any(not 0 <= t < self.runner.cfg.vocab_size for t in ids):
             raise ValueError(f"prompt_token_ids must be in [0, {self.runner.cfg.vocab_size})")
+        handle = None
         if lora_request is not None:
             if not isinstance(lora_request, LoRARequest):
                 raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
-            self.adapters.prepare(lora_request)  # converts into the host cache; raises on a bad adapter
+            # Converts now (raises on a bad adapter); the request keeps this version to the end.
+            handle = self.adapters.prepare(lora_request)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**32)
-        seqs = [Sequence(request_id, i, ids, params, (base_seed + 7919 * i) % 2**32, lora_request)
+        seqs = [Sequence(request_id, i, ids, params, (base_seed + 7919 * i) % 2**32, lora_request, handle)
                 for i in range(params.n)]
         req = Request(request_id, prompt_text, ids, params, lora_request, seqs)
         req.metrics.num_prompt_tokens = len(ids)
@@ -126,13 +128,9 @@ class LLMEngine:
                 return  # running sequences will finish (or be preempted) and free blocks
             if seq.lora is not None:
                 try:
-                    seq.slot = self.adapters.acquire(seq.lora)
+                    seq.slot = self.adapters.acquire(seq.lora, seq.lora_handle)
                 except NoFreeSlotError:
                     return  # every slot is pinned by running requests; wait for one to finish
-                except (ValueError, FileNotFoundError, ImportError) as e:
-                    # The adapter changed on disk after add_request checked it: fail this request alone.
-                    self._finish(seq, "abort", f"adapter error: {e}")
-                    continue
             self.waiting.popleft()
             seq.blocks = self.kv.allocate(need)
             seq.state = SeqState.PREFILL
@@ -278,7 +276,6 @@ class LLMEngine:
                        zip(out["top_ids"][r][: s.params.logprobs], out["top_logprobs"][r][: s.params.logprobs])}
                 top[tok] = float(out["token_logprob"][r])
                 s.logprobs.append(top)
-                s.cumulative_logprob += float(out["token_logprob"][r])
             self._append_token(s, tok)
             req.metrics.num_generated_tokens = sum(len(q.output_ids) for q in req.seqs)
             touched[s.request_id] = req
@@ -297,13 +294,15 @@ class LLMEngine:
             s.pop_last()
             self._update_text(s)
             return self._finish(s, "stop", None)
+        old_len = len(s.text)
         self._update_text(s)
         if enough and p.stop:
-            for stop in p.stop:
-                at = s.text.find(stop)
-                if at >= 0:
-                    s.text = s.text[:at]
-                    return self._finish(s, "stop", stop)
+            # Only matches this token completed (as vLLM); the earliest one wins.
+            hits = [(at, stop) for stop in p.stop if (at := s.text.find(stop, max(0, old_len - len(stop) + 1))) >= 0]
+            if hits:
+                at, stop = min(hits)
+                s.text = s.text[:at]
+                return self._finish(s, "stop", stop)
         max_new = p.max_tokens if p.max_tokens is not None else self.config.max_model_len
         if len(s.output_ids) >= max_new or s.total_len >= self.config.max_model_len:
             return self._finish(s, "length")
@@ -318,12 +317,26 @@ class LLMEngine:
         return req.to_output()
 
     def stream_deltas(self, request_id: str) -> list[str]:
-        """Text added to each sample since the last call; holds back a trailing partial character."""
+        """Text added to each sample since the last call. Until a sample finishes, holds back a
+        trailing partial character and any tail that could still grow into a stop string (which
+        would cut it from the final text), so the deltas always join to the final text."""
         req = self.requests[request_id]
         out = []
         for i, s in enumerate(req.seqs):
-            text = s.text if s.state is SeqState.FINISHED else s.text.rstrip("\ufffd")
+            text = s.text if s.state is SeqState.FINISHED else _streamable(s.text, s.params.stop)
             delta = text[len(req.streamed_text[i]):] if text.startswith(req.streamed_text[i]) else ""
             req.streamed_text[i] += delta
             out.append(delta)
         return out
+
+
+def _streamable(text: str, stops: list[str]) -> str:
+    """`text` less a trailing partial character and its longest tail that begins a stop string."""
+    text = text.rstrip("\ufffd")
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return text[: len(text) - hold]

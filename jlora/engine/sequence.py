@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import time
 
+from jlora.adapters.manager import AdapterHandle
 from jlora.adapters.request import LoRARequest
 from jlora.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jlora.sampling import SamplingParams
@@ -26,6 +27,7 @@ class Sequence:
     params: SamplingParams
     seed: int
     lora: LoRARequest | None
+    lora_handle: AdapterHandle | None = None  # the adapter version converted at add_request
     state: SeqState = SeqState.WAITING
     blocks: list[int] = dataclasses.field(default_factory=list)  # KV cache blocks, in position order
     slot: int = -1  # adapter slot, -1 = base model
@@ -36,7 +38,6 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    cumulative_logprob: float = 0.0
 
     def pop_last(self) -> None:
         """Drop the last token (an EOS or stop token, which is not part of the output)."""
@@ -54,9 +55,10 @@ class Sequence:
 
     def to_output(self) -> CompletionOutput:
         logprobs = list(self.logprobs) if self.params.logprobs is not None else None
+        # Over the tokens returned: a dropped EOS / stop token is not counted.
+        cumulative = sum(lp[t] for t, lp in zip(self.output_ids, logprobs)) if logprobs is not None else None
         return CompletionOutput(self.index, self.text, list(self.output_ids), self.finish_reason, self.stop_reason,
-                                self.lora.lora_name if self.lora else None, logprobs,
-                                self.cumulative_logprob if logprobs is not None else None)
+                                self.lora.lora_name if self.lora else None, logprobs, cumulative)
 
 
 @dataclasses.dataclass(eq=False)
