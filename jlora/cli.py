@@ -12,8 +12,7 @@ def _buckets(text: str | None) -> tuple[int, ...] | None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser, max_model_len: int = 1024, max_num_seqs: int = 8, max_lora_rank: int = 64,
-                     token_buckets: str | None = None, batch_buckets: str | None = None,
-                     span_buckets: str | None = None) -> None:
+                     token_buckets: str | None = None) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=max_model_len)
@@ -21,8 +20,6 @@ def _add_engine_args(p: argparse.ArgumentParser, max_model_len: int = 1024, max_
     p.add_argument("--max-loras", type=int, default=4)
     p.add_argument("--max-lora-rank", type=int, default=max_lora_rank)
     p.add_argument("--token-buckets", default=token_buckets, help="comma-separated prefill chunk buckets")
-    p.add_argument("--batch-buckets", default=batch_buckets, help="comma-separated batch buckets")
-    p.add_argument("--span-buckets", default=span_buckets, help="comma-separated attention span buckets")
 
 
 def make_llm(args: argparse.Namespace):
@@ -30,8 +27,7 @@ def make_llm(args: argparse.Namespace):
 
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-               token_buckets=_buckets(args.token_buckets), batch_buckets=_buckets(args.batch_buckets),
-               span_buckets=_buckets(args.span_buckets))
+               token_buckets=_buckets(args.token_buckets))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -95,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("demo", help="one batch mixing several adapters and the base model")
     # A small graph set: the demo's 8 short chats need no more, and warm-up stays about a minute.
-    _add_engine_args(d, max_model_len=256, max_num_seqs=8, max_lora_rank=16, token_buckets="32,256", batch_buckets="1,8",
-                     span_buckets="128,256")
+    _add_engine_args(d, max_model_len=256, max_num_seqs=8, max_lora_rank=16, token_buckets="32,256")
     d.add_argument("--max-tokens", type=int, default=24)
     d.set_defaults(fn=cmd_demo)
 

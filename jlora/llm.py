@@ -45,8 +45,7 @@ class LLM:
         max_cpu_loras: int | None = None,
         lora_impl: str = "auto",
         token_buckets: tuple[int, ...] | None = None,
-        batch_buckets: tuple[int, ...] | None = None,
-        span_buckets: tuple[int, ...] | None = None,
+        attn_chunk: int = 128,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         warmup: bool = True,
@@ -73,8 +72,7 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras or max(4 * max_loras, 8), lora_impl=lora_impl,
-            token_buckets=token_buckets, batch_buckets=batch_buckets, span_buckets=span_buckets,
-            block_size=block_size, num_kv_blocks=num_kv_blocks)
+            token_buckets=token_buckets, attn_chunk=attn_chunk, block_size=block_size, num_kv_blocks=num_kv_blocks)
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else cfg.eos_token_id
         with compile_stats.stage("init"):  # the zero-filled KV cache and adapter slots
             self.engine = LLMEngine(self.model, self.tokenizer, self.config, eos)

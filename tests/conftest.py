@@ -8,7 +8,7 @@ import pytest
 
 # Small bucket sets keep warm-up short on a 2-core CI machine; the graphs are the same kind.
 TEST_ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128, max_loras=4, max_lora_rank=32,
-                   token_buckets=(32, 128), batch_buckets=(1, 4), span_buckets=(128, 256))
+                   token_buckets=(32, 128))
 
 
 @pytest.fixture(scope="session")

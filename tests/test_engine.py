@@ -8,7 +8,7 @@ import transformers
 from jlora import LLM, LoRARequest, SamplingParams, compile_stats
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_loras=4, max_lora_rank=8,
-              token_buckets=(16, 32), batch_buckets=(1, 4), span_buckets=(64, 128))
+              token_buckets=(16, 32))
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from jlora import LLM, LoRARequest, SamplingParams, compile_stats
 from reference import ReferenceGenerator
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_loras=2, max_lora_rank=8,
-              token_buckets=(16, 32), batch_buckets=(1, 4), span_buckets=(64, 128), block_size=16,
+              token_buckets=(16, 32), block_size=16,
               num_kv_blocks=12)  # 192 positions: two long sequences already overflow it
 ROUNDS = int(os.environ.get("JLORA_EXACTNESS_ROUNDS", "2"))
 WORDS = ["the", "sky", "is", "blue", "naïve", "café", "日本語", "🙂", "Ελληνικά", "zürich", "ok", "1234", "\n",

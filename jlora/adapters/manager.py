@@ -3,7 +3,6 @@
 All slots live in one fixed-shape pytree (see DESIGN.md):
 
     lora_state[module] = {"A": [L, N, in, R], "B": [L, N, R, out]}
-    (held as tuples of L per-layer arrays, see `jlora.models.llama.init_lora_state`)
 
 `set_slot` writes one adapter into one slot. The slot is a traced int32 scalar and the update is
 already zero-padded to R on the host, so one compiled graph serves every slot, adapter and rank;
@@ -58,8 +57,7 @@ def _set_slot_jit(lora_state: LoRAState, slot: jax.Array, update: dict[str, dict
         out[m] = {}
         for k in ("A", "B"):
             u = update[m][k]  # [L, in, R] / [L, R, out]
-            out[m][k] = tuple(lax.dynamic_update_slice(layer, u[i][None].astype(layer.dtype), (slot, 0, 0))
-                              for i, layer in enumerate(s[k]))
+            out[m][k] = lax.dynamic_update_slice(s[k], u[:, None].astype(s[k].dtype), (0, slot, 0, 0))
     return out
 
 
@@ -76,7 +74,7 @@ def set_slot(
     """
     if set(update) != set(lora_state):
         raise ValueError(f"set_slot: update has modules {sorted(update)}, lora_state has {sorted(lora_state)}")
-    n = next(iter(lora_state.values()))["A"][0].shape[0]
+    n = next(iter(lora_state.values()))["A"].shape[1]
     if isinstance(slot, (int, np.integer)):
         if isinstance(slot, bool) or not 0 <= int(slot) < n:
             raise ValueError(f"set_slot: slot={slot!r} must be in [0, {n})")
@@ -90,15 +88,15 @@ def set_slot(
         u = update[m]
         if set(u) != {"A", "B"}:
             raise ValueError(f"set_slot: update[{m!r}] must have keys 'A' and 'B', got {sorted(u)}")
-        want_a = (len(s["A"]),) + s["A"][0].shape[1:]
-        want_b = (len(s["B"]),) + s["B"][0].shape[1:]
+        want_a = s["A"].shape[:1] + s["A"].shape[2:]
+        want_b = s["B"].shape[:1] + s["B"].shape[2:]
         if tuple(u["A"].shape) != want_a:
             raise ValueError(f"set_slot: update[{m!r}]['A'] has shape {tuple(u['A'].shape)}, expected {want_a} "
                              f"[L, in, R] (pad the rank to R on the host)")
         if tuple(u["B"].shape) != want_b:
             raise ValueError(f"set_slot: update[{m!r}]['B'] has shape {tuple(u['B'].shape)}, expected {want_b} "
                              f"[L, R, out] (pad the rank to R on the host)")
-        upd[m] = {k: _as_dtype(u[k], s[k][0].dtype) for k in ("A", "B")}
+        upd[m] = {k: _as_dtype(u[k], s[k].dtype) for k in ("A", "B")}
     return _set_slot_jit(lora_state, slot, upd)
 
 

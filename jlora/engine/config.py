@@ -19,23 +19,25 @@ def geometric_buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
+    """Engine sizes. Every step is one graph keyed only by its prefill chunk bucket (`token_buckets`,
+    plus 0 for a decode-only step): the decode rows are always `max_num_seqs` and attention loops
+    over the keys it needs, so no graph is keyed by batch size or span."""
+
     max_model_len: int = 2048  # prompt + generated tokens per sequence
-    max_num_seqs: int = 16  # sequences running at once
-    max_num_batched_tokens: int = 512  # prefill token budget per step (padded)
+    max_num_seqs: int = 16  # sequences running at once: the decode rows of every step
+    max_num_batched_tokens: int = 512  # the longest prefill chunk in one step
     max_loras: int = 4  # device slots
     max_lora_rank: int = 64
     max_cpu_loras: int = 32  # host cache of converted adapters
     lora_impl: str = "auto"
     block_size: int = 16  # KV cache positions per block
     num_kv_blocks: int | None = None  # KV capacity; None = max_num_seqs full-length sequences
-    # Buckets; None = derived below.
-    token_buckets: tuple[int, ...] | None = None  # prefill chunk lengths
-    batch_buckets: tuple[int, ...] | None = None  # sequences per step
-    span_buckets: tuple[int, ...] | None = None  # attention spans (cache positions read)
+    token_buckets: tuple[int, ...] | None = None  # prefill chunk lengths; None = 32, 64, ... up to the chunk
+    attn_chunk: int = 128  # key positions attention reads per loop iteration
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_loras",
-                     "max_lora_rank", "max_cpu_loras", "block_size"):
+                     "max_lora_rank", "max_cpu_loras", "block_size", "attn_chunk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {getattr(self, name)!r}")
         if self.max_cpu_loras < self.max_loras:
@@ -48,16 +50,12 @@ class EngineConfig:
                              f"blocks of {self.block_size}")
         chunk = min(self.max_num_batched_tokens, self.max_model_len)
         if self.token_buckets is None:
-            object.__setattr__(self, "token_buckets", geometric_buckets(min(32, chunk), chunk))
-        if self.batch_buckets is None:
-            object.__setattr__(self, "batch_buckets", geometric_buckets(1, self.max_num_seqs))
-        if self.span_buckets is None:
-            object.__setattr__(self, "span_buckets", geometric_buckets(min(128, self.max_model_len), self.max_model_len))
-        for name, top in (("token_buckets", chunk), ("batch_buckets", self.max_num_seqs),
-                          ("span_buckets", self.max_model_len)):
-            b = getattr(self, name)
-            if list(b) != sorted(set(b)) or b[-1] != top or b[0] < 1:
-                raise ValueError(f"EngineConfig.{name}={b} must be increasing, positive and end at {top}")
+            object.__setattr__(self, "token_buckets", geometric_buckets(min(32, chunk), chunk, factor=2))
+        b = tuple(self.token_buckets)
+        object.__setattr__(self, "token_buckets", b)
+        if list(b) != sorted(set(b)) or b[-1] != chunk or b[0] < 1 or not all(isinstance(x, int) for x in b):
+            raise ValueError(f"EngineConfig.token_buckets={b} must be increasing positive ints ending at "
+                             f"min(max_num_batched_tokens, max_model_len)={chunk}")
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -70,21 +68,17 @@ class EngineConfig:
     def prefill_chunk(self) -> int:
         return self.token_buckets[-1]
 
-    def prefill_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (sequences, tokens, span) prefill graph: B*T within the token budget, span >= T."""
-        shapes = []
-        for t in self.token_buckets:
-            for b in self.batch_buckets:
-                if b * t > max(self.max_num_batched_tokens, t):
-                    continue
-                shapes += [(b, t, s) for s in self.span_buckets if s >= t]
-        return shapes
+    @property
+    def blocks_per_seq(self) -> int:  # width of a block table
+        return self.blocks_for(self.max_model_len)
 
-    def decode_shapes(self) -> list[tuple[int, int]]:
-        return [(b, s) for b in self.batch_buckets for s in self.span_buckets]
+    def step_shapes(self) -> tuple[int, ...]:
+        """Prefill tokens of every step graph: 0 (decode only) and each chunk bucket."""
+        return (0,) + self.token_buckets
 
-    def max_prefill_seqs(self, t: int) -> int:
-        return max(b for b in self.batch_buckets if b * t <= max(self.max_num_batched_tokens, t))
+    @property
+    def num_step_graphs(self) -> int:
+        return len(self.step_shapes())
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:

@@ -1,8 +1,9 @@
 """LLMEngine: continuous batching over a paged KV cache and a fixed set of adapter slots.
 
-`add_request` queues work, `step` runs one scheduling round (a prefill call for newly admitted
-or partially prefilled sequences within the token budget, then one decode call for every
-sequence already decoding), `abort` drops a request and frees its KV blocks and slot pin.
+`add_request` queues work, `step` runs one scheduling round as one device call: a decode token
+for every running sequence that is decoding (each holds one of `max_num_seqs` rows) plus the next
+prefill chunk of the oldest sequence still prefilling, sampled in the same graph.
+`abort` drops a request and frees its KV blocks, row and slot pin.
 When a decoding sequence needs a KV block and none is free, the most recently admitted sequence
 is preempted: its blocks are freed and it is recomputed (prompt + tokens so far) when it is
 admitted again, so nothing is dropped and greedy outputs do not change.
@@ -28,9 +29,6 @@ from jlora.outputs import RequestOutput
 from jlora.sampling import SamplingParams, SamplingRow, build_sampling_batch
 
 
-PREFILL_CALL_COST_TOKENS = 64  # SmolLM2 on 2 cores: a weight pass ~28 ms, ~64 prefill tokens of compute
-
-
 class LLMEngine:
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, eos_token_id: int | None):
         self.config = config
@@ -43,6 +41,7 @@ class LLMEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.kv = BlockAllocator(config.num_kv_blocks)
+        self._free_rows = list(range(config.max_num_seqs))  # decode rows of the step
         self.num_preemptions = 0
         self._ids = itertools.count()
         self._seed_rng = random.Random()
@@ -133,6 +132,7 @@ class LLMEngine:
                     return  # every slot is pinned by running requests; wait for one to finish
             self.waiting.popleft()
             seq.blocks = self.kv.allocate(need)
+            seq.row = self._free_rows.pop(0)
             seq.state = SeqState.PREFILL
             self.running.append(seq)
 
@@ -155,6 +155,9 @@ class LLMEngine:
         self.running.remove(seq)
         self.kv.free(seq.blocks)
         seq.blocks = []
+        self._free_rows.append(seq.row)
+        self._free_rows.sort()
+        seq.row = -1
         if seq.slot >= 0:
             self.adapters.release(seq.slot)
             seq.slot = -1
@@ -181,90 +184,44 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling round. Returns the requests that changed (with their state so far)."""
+        """One scheduling round, one device call. Returns the requests that changed (state so far)."""
         self._reserve_decode_blocks()  # running sequences first: admission gets what is left
         self._admit()
-        touched: dict[str, Request] = {}
         decoding = [s for s in self.running if s.state is SeqState.DECODE]
-        prefilling = [s for s in self.running if s.state is SeqState.PREFILL]
-        if prefilling:
-            self._prefill(prefilling, touched)
-        if decoding:
-            self._decode(decoding, touched)
-        return [r.to_output() for r in touched.values()]
+        prefilling = next((s for s in self.running if s.state is SeqState.PREFILL), None)
+        if not decoding and prefilling is None:
+            return []
+        c, r = self.config, self.runner.num_rows
+        chunk = []
+        if prefilling is not None:
+            chunk = prefilling.all_ids[prefilling.num_computed: prefilling.num_computed + c.prefill_chunk]
+        batch = self.runner.empty_batch(bucket_for(len(chunk), c.token_buckets) if chunk else 0)
+        rows: dict[int, Sequence] = {}
+        for s in decoding:
+            batch["tokens"][s.row] = s.output_ids[-1]
+            batch["slot_ids"][s.row] = s.slot
+            batch["dec_positions"][s.row] = s.total_len - 1
+            batch["dec_tables"][s.row, : len(s.blocks)] = s.blocks
+            rows[s.row] = s
+        if chunk:
+            n, start = len(chunk), prefilling.num_computed
+            batch["tokens"][r: r + n] = chunk
+            batch["slot_ids"][r: r + n] = prefilling.slot
+            batch["pre_positions"][:n] = np.arange(start, start + n)
+            batch["pre_table"][: len(prefilling.blocks)] = prefilling.blocks
+            batch["sample_index"][r] = r + n - 1
+            prefilling.num_computed += n
+            if prefilling.num_computed == prefilling.total_len:  # the prompt is in: sample its first token
+                rows[r] = prefilling
+        batch["sampling"] = build_sampling_batch(
+            {i: SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_ids, self.eos_token_id)
+             for i, s in rows.items()}, r + 1, c.max_model_len)
+        out = self.runner.step(self.adapters.lora_state, batch)
+        touched: dict[str, Request] = {}
+        self._append_sampled(out, rows, touched)
+        return [req.to_output() for req in touched.values()]
 
-    def _choose_prefill_shape(self, seqs: list[Sequence]) -> tuple[int, list[Sequence]]:
-        """The chunk length (a token bucket) and the sequences (FIFO) that waste the least padding.
-
-        Longer prompts are simply chunked: 16 prompts of 40 tokens go as two [16, 32] calls
-        (1024 computed tokens) rather than four [4, 128] calls (2048).
-        """
-        c = self.config
-        best = None
-        for t in c.token_buckets:
-            take = seqs[: c.max_prefill_seqs(t)]
-            useful = sum(min(s.total_len - s.num_computed, t) for s in take)
-            computed = bucket_for(len(take), c.batch_buckets) * t
-            # Each call also streams all weights once, worth about PREFILL_CALL_COST_TOKENS tokens.
-            key = useful / (computed + PREFILL_CALL_COST_TOKENS)
-            if best is None or key > best[0]:
-                best = (key, t, take)
-        return best[1], best[2]
-
-    def _block_tables(self, seqs: list[Sequence], b: int, span: int) -> np.ndarray:  # i32[b, span // bs]
-        tables = np.zeros((b, self.config.blocks_for(span)), np.int32)  # unused entries are masked out
-        for i, s in enumerate(seqs):
-            blocks = s.blocks[: tables.shape[1]]
-            tables[i, : len(blocks)] = blocks
-        return tables
-
-    def _prefill(self, seqs: list[Sequence], touched: dict[str, Request]) -> None:
-        """Prefill (a chunk of) each sequence's prompt, or prompt + outputs after a preemption."""
-        c = self.config
-        t, seqs = self._choose_prefill_shape(seqs)
-        b = bucket_for(len(seqs), c.batch_buckets)
-        tokens = np.zeros((b, t), np.int32)
-        positions = np.full((b, t), -1, np.int32)
-        slots = np.full((b,), -1, np.int32)
-        last = np.zeros((b,), np.int32)
-        done: list[int] = []
-        end_max = 1
-        for i, s in enumerate(seqs):
-            chunk = s.all_ids[s.num_computed: s.num_computed + t]
-            n = len(chunk)
-            tokens[i, :n] = chunk
-            positions[i, :n] = np.arange(s.num_computed, s.num_computed + n)
-            slots[i], last[i] = s.slot, n - 1
-            s.num_computed += n
-            end_max = max(end_max, s.num_computed)
-            if s.num_computed == s.total_len:
-                done.append(i)
-        span = bucket_for(max(end_max, t), tuple(x for x in c.span_buckets if x >= t))
-        tables = self._block_tables(seqs, b, span)
-        logits = self.runner.forward(self.adapters.lora_state, tokens, positions, slots, last, tables, "prefill")
-        if done:
-            self._sample_and_append(logits, b, {i: seqs[i] for i in done}, touched)
-
-    def _decode(self, seqs: list[Sequence], touched: dict[str, Request]) -> None:
-        c = self.config
-        b = bucket_for(len(seqs), c.batch_buckets)
-        tokens = np.zeros((b, 1), np.int32)
-        positions = np.full((b, 1), -1, np.int32)
-        slots = np.full((b,), -1, np.int32)
-        for i, s in enumerate(seqs):
-            tokens[i, 0] = s.output_ids[-1]
-            positions[i, 0] = s.total_len - 1
-            slots[i] = s.slot
-        span = bucket_for(max(s.total_len for s in seqs), c.span_buckets)
-        tables = self._block_tables(seqs, b, span)
-        logits = self.runner.forward(self.adapters.lora_state, tokens, positions, slots,
-                                     np.zeros((b,), np.int32), tables, "decode")
-        self._sample_and_append(logits, b, dict(enumerate(seqs)), touched)
-
-    def _sample_and_append(self, logits, b: int, seqs_by_row: dict[int, Sequence], touched) -> None:
-        rows = {r: SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_ids, self.eos_token_id)
-                for r, s in seqs_by_row.items()}
-        out = self.runner.sample(logits, build_sampling_batch(rows, b, self.config.max_model_len))
+    def _append_sampled(self, out: dict[str, np.ndarray], seqs_by_row: dict[int, Sequence], touched) -> None:
         now = time.time()
         for r, s in seqs_by_row.items():
             req = self.requests[s.request_id]

@@ -1,7 +1,10 @@
-"""ModelRunner: owns the device state (weights, paged KV cache) and the jitted step and sampler.
+"""ModelRunner: owns the device state (weights, paged KV cache) and the one jitted step.
 
-Host and device meet once per call: the scheduler hands over NumPy index arrays padded to a
-bucket, they go over in one transfer, and only the sampled token ids come back.
+A step is one device call: the running sequences' decode tokens (always `max_num_seqs` rows,
+padding where a row is free) and at most one prefill chunk, packed into one token axis, go through
+the model together (every weight read once), and the sampler runs in the same graph. Host and
+device meet once each way: the scheduler's NumPy arrays go over in one transfer, and only the
+sampled tokens (and logprobs) come back.
 """
 
 from __future__ import annotations
@@ -9,14 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
 from jlora import compile_stats
 from jlora.engine.config import EngineConfig
-from jlora.models.llama import Llama, LoRAState, init_cache
+from jlora.models.llama import AttnGroup, Llama, LoRAState, init_cache
 from jlora.sampling import build_sampling_batch, sample
 
 
@@ -29,52 +31,52 @@ class ModelRunner:
         self._weights, self._weights_def = jax.tree.flatten(self.state)
         self.kv_dtype = kv_dtype or model.dtype
         self.cache = init_cache(self.cfg, config.num_kv_blocks, config.block_size, self.kv_dtype)
-        self._step = jax.jit(self._step_impl, static_argnames=("lora_impl",), donate_argnames=("cache",))
+        self._step = jax.jit(self._step_impl, static_argnames=("lora_impl", "attn_chunk"), donate_argnames=("cache",))
 
-    def _step_impl(self, weights, lora_state, cache, tokens, positions, slot_ids, logits_index, block_tables,
-                   *, lora_impl):
+    def _step_impl(self, weights, lora_state, cache, batch, *, lora_impl, attn_chunk):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
-        return model(tokens, positions, cache, lora_state, slot_ids, logits_index, block_tables, lora_impl=lora_impl)
+        groups = [AttnGroup(batch["dec_positions"][:, None], batch["dec_tables"])]
+        if batch["pre_positions"].shape[0]:
+            groups.append(AttnGroup(batch["pre_positions"][None], batch["pre_table"][None]))
+        hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
+                                      lora_impl=lora_impl, attn_chunk=attn_chunk)
+        logits = model.logits(hidden[batch["sample_index"]])
+        return sample(logits, batch["sampling"]), cache
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(x.nbytes for layer in self.cache for x in layer.values())
+        return sum(x.nbytes for x in self.cache.values())
 
-    def forward(
-        self,
-        lora_state: LoRAState | None,
-        tokens: np.ndarray,  # i32[B, T]
-        positions: np.ndarray,  # i32[B, T], -1 = padding
-        slot_ids: np.ndarray,  # i32[B], -1 = base model
-        logits_index: np.ndarray,  # i32[B]
-        block_tables: np.ndarray,  # i32[B, span // block_size]: the span bucket is its width
-        stage: str,
-    ) -> jax.Array:  # f32[B, V], stays on device
-        dev = jax.device_put((tokens, positions, slot_ids, logits_index, block_tables))  # one transfer
-        with compile_stats.stage(stage):
-            logits, self.cache = self._step(
-                self._weights, lora_state, self.cache, *dev, lora_impl=self.config.lora_impl)
-        return logits
+    @property
+    def num_rows(self) -> int:
+        return self.config.max_num_seqs
 
-    def sample(self, logits: jax.Array, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Sampled tokens (and logprobs) for each row; one device->host transfer."""
-        with compile_stats.stage("sample"):
-            out = sample(logits, jax.device_put(batch))
+    def empty_batch(self, prefill_tokens: int) -> dict[str, Any]:
+        """Host arrays for one step with every row and token padding; the scheduler fills them in.
+
+        tokens / slot_ids [R + P]: the R decode rows first, then the P prefill tokens;
+        dec_positions [R], dec_tables [R, MB]; pre_positions [P], pre_table [MB];
+        sample_index [R + 1]: the token each sampled row reads (row R: the prefill's last token).
+        """
+        c, r, p = self.config, self.num_rows, prefill_tokens
+        return dict(
+            tokens=np.zeros((r + p,), np.int32), slot_ids=np.full((r + p,), -1, np.int32),
+            dec_positions=np.full((r,), -1, np.int32), dec_tables=np.zeros((r, c.blocks_per_seq), np.int32),
+            pre_positions=np.full((p,), -1, np.int32), pre_table=np.zeros((c.blocks_per_seq,), np.int32),
+            sample_index=np.concatenate([np.arange(r), [r if p else 0]]).astype(np.int32),
+            sampling=build_sampling_batch({}, r + 1, c.max_model_len))
+
+    def step(self, lora_state: LoRAState | None, batch: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Runs one step; returns the sampled tokens i32[R + 1] (and logprob arrays) on the host."""
+        dev = jax.device_put(batch)  # one transfer
+        with compile_stats.stage("step"):
+            out, self.cache = self._step(self._weights, lora_state, self.cache, dev,
+                                         lora_impl=self.config.lora_impl, attn_chunk=self.config.attn_chunk)
         return jax.device_get(out)
 
     def warmup(self, lora_state: LoRAState | None, progress: bool = True) -> None:
-        """Compile every prefill, decode and sampler graph once, before the first request."""
-        c = self.config
-        jobs: list[tuple[str, tuple[int, ...]]] = [("prefill", s) for s in c.prefill_shapes()]
-        jobs += [("decode", s) for s in c.decode_shapes()]
-        for (name, shape) in tqdm(jobs, desc="jlora warm-up (compiling graphs)", disable=not progress):
-            b, t, span = shape if name == "prefill" else (shape[0], 1, shape[1])
-            tokens = np.zeros((b, t), np.int32)
-            positions = np.full((b, t), -1, np.int32)  # all padding: writes are dropped
-            tables = np.zeros((b, c.blocks_for(span)), np.int32)
-            logits = self.forward(lora_state, tokens, positions, np.full((b,), -1, np.int32),
-                                  np.zeros((b,), np.int32), tables, name)
-        for b in c.batch_buckets:
-            logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
-            self.sample(logits, build_sampling_batch({}, b, c.max_model_len))
+        """Compile every step graph once (all padding: nothing is written), before the first request."""
+        shapes = self.config.step_shapes()
+        for p in tqdm(shapes, desc="jlora warm-up (compiling step graphs)", disable=not progress):
+            self.step(lora_state, self.empty_batch(p))
         jax.block_until_ready(self.cache)

@@ -31,6 +31,7 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     blocks: list[int] = dataclasses.field(default_factory=list)  # KV cache blocks, in position order
     slot: int = -1  # adapter slot, -1 = base model
+    row: int = -1  # decode row in the step while running
     num_computed: int = 0  # tokens already in the KV cache
     num_preemptions: int = 0
     output_ids: list[int] = dataclasses.field(default_factory=list)

@@ -1,18 +1,22 @@
 """A Llama-family decoder in Flax NNX with multi-slot LoRA on every linear layer.
 
-Weights live in the NNX module; adapter weights do not. They arrive per call as `lora_state`
-(see DESIGN.md): for each target module `{"A": [L, N, in, R], "B": [L, N, R, out]}` (held as
-one array per layer, see `init_lora_state`), with the
-PEFT scale already folded into B. Each token reads its own slot via `slot_ids`; -1 reads none.
+Every per-layer weight is stacked on a leading layer axis ([L, ...]) and the decoder runs as one
+`lax.scan` over the layers: a step traces and compiles one layer, not L (compile time and the
+traced program do not grow with depth). Adapter weights arrive per call as `lora_state` (see
+DESIGN.md): per target module `{"A": [L, N, in, R], "B": [L, N, R, out]}`, the PEFT scale folded
+into B. Each token reads its own slot via `slot_ids`; -1 reads none.
 
-The KV cache is paged: per layer `k, v: [KVH, num_blocks, block_size, Dh]`, and each sequence's
-block table `i32[B, span // block_size]` lists the blocks holding its positions in order. Without a
-block table the cache is read as one region per sequence (block b holds all of sequence b), which
-is what `init_cache(cfg, batch, max_len)` builds for direct model calls.
+The KV cache is paged: `k, v: [L, num_blocks, block_size, KVH, Dh]`. Tokens arrive packed
+([T]); attention sees them as groups (`AttnGroup`): B sequences with Q query tokens each, their
+positions and block tables. The engine's step is two groups, the running sequences' decode
+tokens ([R, 1]) and one prefill chunk ([1, Q]); a direct model call is one group [B, T].
+Attention walks the keys in chunks of `attn_chunk` positions up to the furthest query position
+(a loop with a data-dependent trip count, online softmax), so no graph is keyed by span.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -25,8 +29,8 @@ from jlora.kernels import lora_delta
 from jlora.models.config import LlamaConfig
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-KVCache = list  # per layer {"k": [KVH, num_blocks, block_size, Dh], "v": same}
-LoRAState = dict  # module -> {"A": L x [N, in, R], "B": L x [N, R, out]} (one array per layer)
+KVCache = dict  # {"k": [L, num_blocks, block_size, KVH, Dh], "v": same}
+LoRAState = dict  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}
 
 
 # ---- rotary embeddings ------------------------------------------------------------------------
@@ -48,14 +52,17 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:  # f32[Dh/2]
     return inv.astype(np.float32)
 
 
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin f32[T, 1, Dh/2] for positions i32[T] (computed once per step, used by every layer)."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, Dh/2]
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+
 def apply_rope(
-    x: jax.Array,  # [B, T, H, Dh]
-    positions: jax.Array,  # i32[B, T]
-    inv_freq: jax.Array,  # f32[Dh/2]
-) -> jax.Array:  # [B, T, H, Dh]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    x: jax.Array,  # [T, H, Dh]
+    cos: jax.Array,  # f32[T, 1, Dh/2]
+    sin: jax.Array,  # f32[T, 1, Dh/2]
+) -> jax.Array:  # [T, H, Dh]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # HF's rotate_half layout
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -64,15 +71,32 @@ def apply_rope(
 # ---- layers -----------------------------------------------------------------------------------
 
 
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:  # [..., D], [D]
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype: Any):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., D]
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def lora_linear(
+    x: jax.Array,  # [T, in]
+    kernel: jax.Array,  # [in, out]
+    lora: dict[str, jax.Array] | None,  # {"A": [N, in, R], "B": [N, R, out]} or None
+    slot_ids: jax.Array,  # i32[T]
+    lora_impl: str,
+) -> jax.Array:  # [T, out]
+    y = x @ kernel
+    if lora is None:
+        return y
+    return y + lora_delta(x, lora["A"], lora["B"], slot_ids, impl=lora_impl).astype(y.dtype)
 
 
 class LoRALinear(nnx.Module):
@@ -89,109 +113,79 @@ class LoRALinear(nnx.Module):
         slot_ids: jax.Array,  # i32[B*T]
         lora_impl: str,
     ) -> jax.Array:  # [B, T, out]
-        y = x @ self.kernel[...]
-        if lora is None:
-            return y
         bsz, t, d = x.shape
-        delta = lora_delta(x.reshape(bsz * t, d), lora["A"], lora["B"], slot_ids, impl=lora_impl)
-        return y + delta.reshape(bsz, t, -1).astype(y.dtype)
+        return lora_linear(x.reshape(bsz * t, d), self.kernel[...], lora, slot_ids, lora_impl).reshape(bsz, t, -1)
 
 
-class Attention(nnx.Module):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttnGroup:
+    """B sequences with Q query tokens each, packed row-major in the step's token axis."""
+
+    positions: jax.Array  # i32[B, Q], -1 = padding
+    block_tables: jax.Array  # i32[B, MB]: the blocks holding each sequence's positions, in order
+
+
+def paged_attention(
+    q: jax.Array,  # [B, Q, H, Dh]
+    group: AttnGroup,
+    cache_k: jax.Array,  # [L, NB, bs, KVH, Dh]
+    cache_v: jax.Array,  # [L, NB, bs, KVH, Dh]
+    layer: jax.Array,  # i32 scalar
+    chunk: int,  # key positions per loop iteration, a multiple of bs
+) -> jax.Array:  # f32[B, Q, H, Dh]
+    """Causal grouped-query attention over each sequence's cached keys, chunk by chunk.
+
+    The loop runs to the furthest query position in the group (data-dependent trip count, so one
+    graph serves every span) with an online softmax; a fully padded row returns zeros.
+    """
+    bsz, nq, h, dh = q.shape
+    bs, kvh = cache_k.shape[2], cache_k.shape[3]
+    tables, positions = group.block_tables, group.positions
+    per_chunk = chunk // bs
+    qg = q.reshape(bsz, nq, kvh, h // kvh, dh).astype(jnp.float32) / math.sqrt(dh)
+    n_chunks = (jnp.max(positions) + chunk) // chunk  # 0 when every query is padding
+
+    def body(j, carry):
+        m, l, acc = carry  # running max, denominator [B, KVH, G, Q]; numerator [B, KVH, G, Q, Dh]
+        cols = jnp.minimum(j * per_chunk + jnp.arange(per_chunk), tables.shape[1] - 1)
+        blocks = tables[:, cols]  # [B, per_chunk]
+        keys = cache_k[layer, blocks].reshape(bsz, chunk, kvh, dh)
+        values = cache_v[layer, blocks].reshape(bsz, chunk, kvh, dh)
+        s = jnp.einsum("bqkgd,bckd->bkgqc", qg, keys, preferred_element_type=jnp.float32)
+        key_pos = j * chunk + jnp.arange(chunk)
+        visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, Q, C]
+        s = jnp.where(visible[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        scale = jnp.exp(m - m_safe)
+        l = l * scale + p.sum(-1)
+        acc = acc * scale[..., None] + jnp.einsum("bkgqc,bckd->bkgqd", p, values.astype(jnp.float32))
+        return m_new, l, acc
+
+    shape = (bsz, kvh, h // kvh, nq)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (dh,), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, KVH, G, Q, Dh]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(bsz, nq, h, dh)
+
+
+class DecoderLayers(nnx.Module):
+    """All L decoder layers; every weight carries a leading layer axis and is scanned over."""
+
     def __init__(self, cfg: LlamaConfig, dtype: Any, rngs: nnx.Rngs):
-        d, h, kvh, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = LoRALinear(d, h * dh, dtype, rngs)
-        self.k_proj = LoRALinear(d, kvh * dh, dtype, rngs)
-        self.v_proj = LoRALinear(d, kvh * dh, dtype, rngs)
-        self.o_proj = LoRALinear(h * dh, d, dtype, rngs)
-        self.h, self.kvh, self.dh = h, kvh, dh
+        L, d = cfg.num_hidden_layers, cfg.hidden_size
+        init = nnx.initializers.normal(stddev=0.02)
+        self.input_layernorm = nnx.Param(jnp.ones((L, d), dtype))
+        self.post_attention_layernorm = nnx.Param(jnp.ones((L, d), dtype))
+        for name, (d_in, d_out) in cfg.module_shapes().items():
+            setattr(self, name, nnx.Param(init(rngs.params(), (L, d_in, d_out), dtype)))
 
-    def __call__(self, x, positions, cache, block_tables, lora, slot_ids, inv_freq, span, lora_impl):
-        """x [B, T, D], positions i32[B, T] (-1 = padding), cache {"k","v": [KVH, NB, bs, Dh]},
-        block_tables i32[B, span // bs], or None when sequence b owns block b (bs >= span)."""
-        bsz, t, _ = x.shape
-        get = lambda name: lora.get(name) if lora else None  # noqa: E731
-        q = self.q_proj(x, get("q_proj"), slot_ids, lora_impl).reshape(bsz, t, self.h, self.dh)
-        k = self.k_proj(x, get("k_proj"), slot_ids, lora_impl).reshape(bsz, t, self.kvh, self.dh)
-        v = self.v_proj(x, get("v_proj"), slot_ids, lora_impl).reshape(bsz, t, self.kvh, self.dh)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-
-        # Write new keys/values at (block of position, offset); padding (position -1) goes to an
-        # out-of-range block and is dropped.
-        num_blocks, bs = cache["k"].shape[1:3]
-        if block_tables is None:
-            block = jnp.broadcast_to(jnp.arange(bsz)[:, None], (bsz, t))
-            offset = positions
-        else:
-            block = jnp.take_along_axis(block_tables, jnp.maximum(positions, 0) // bs, axis=1)
-            offset = positions % bs
-        block = jnp.where(positions >= 0, block, num_blocks)
-        heads_first = lambda a, c: jnp.transpose(a, (2, 0, 1, 3)).astype(c.dtype)  # noqa: E731  [KVH, B, T, Dh]
-        k_cache = cache["k"].at[:, block, offset].set(heads_first(k, cache["k"]), mode="drop")
-        v_cache = cache["v"].at[:, block, offset].set(heads_first(v, cache["v"]), mode="drop")
-
-        # Attend to the first `span` positions (a static bucket), causally.
-        if block_tables is None:  # a static slice, no gather
-            keys, values = k_cache[:, :bsz, :span], v_cache[:, :bsz, :span]  # [KVH, B, span, Dh]
-        else:  # gather the sequence's blocks in order: [KVH, B, span // bs, bs, Dh] -> [KVH, B, span, Dh]
-            keys = k_cache[:, block_tables].reshape(self.kvh, bsz, span, self.dh)
-            values = v_cache[:, block_tables].reshape(self.kvh, bsz, span, self.dh)
-        out = attention(q, keys, values, positions).reshape(bsz, t, self.h * self.dh).astype(x.dtype)
-        return self.o_proj(out, get("o_proj"), slot_ids, lora_impl), {"k": k_cache, "v": v_cache}
-
-
-def attention(
-    q: jax.Array,  # [B, T, H, Dh]
-    keys: jax.Array,  # [KVH, B, S, Dh]
-    values: jax.Array,  # [KVH, B, S, Dh]
-    positions: jax.Array,  # i32[B, T]: query positions; key j is visible to query at p iff j <= p
-) -> jax.Array:  # f32[B, T, H, Dh]
-    """Grouped-query attention over keys and values gathered heads-first (batch dims KVH, B)."""
-    bsz, t, h, dh = q.shape
-    kvh = keys.shape[0]
-    qg = q.reshape(bsz, t, kvh, h // kvh, dh)
-    # Operand orders and the small transposes around the softmax are chosen for XLA:CPU (profiled
-    # in a SmolLM2 B=16 decode step, attention 27 -> 23 ms): softmax over the minor axis, then
-    # probabilities as [.., S, T, G] and the output heads-first, so `values` are read as they lie
-    # (asking for [B, T, ...] directly made XLA transpose all of `values`). XLA still transposes the
-    # keys for the scores dot; transposing the queries instead measured slower.
-    scores = jnp.einsum("kbsd,btkgd->kbtgs", keys, qg, preferred_element_type=jnp.float32) / math.sqrt(dh)
-    allowed = jnp.arange(keys.shape[2])[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    scores = jnp.where(allowed[None, :, :, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    probs = jnp.transpose(probs, (0, 1, 4, 2, 3))  # [KVH, B, S, T, G]
-    out = jnp.einsum("kbstg,kbsd->kbtgd", probs, values, preferred_element_type=jnp.float32)
-    return jnp.transpose(out, (1, 2, 0, 3, 4)).reshape(bsz, t, h, dh)
-
-
-class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: Any, rngs: nnx.Rngs):
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = LoRALinear(d, f, dtype, rngs)
-        self.up_proj = LoRALinear(d, f, dtype, rngs)
-        self.down_proj = LoRALinear(f, d, dtype, rngs)
-
-    def __call__(self, x, lora, slot_ids, lora_impl):
-        get = lambda name: lora.get(name) if lora else None  # noqa: E731
-        gate = self.gate_proj(x, get("gate_proj"), slot_ids, lora_impl)
-        up = self.up_proj(x, get("up_proj"), slot_ids, lora_impl)
-        return self.down_proj(jax.nn.silu(gate) * up, get("down_proj"), slot_ids, lora_impl)
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: Any, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
-
-    def __call__(self, x, positions, cache, block_tables, lora, slot_ids, inv_freq, span, lora_impl):
-        h, cache = self.self_attn(
-            self.input_layernorm(x), positions, cache, block_tables, lora, slot_ids, inv_freq, span, lora_impl)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x), lora, slot_ids, lora_impl)
-        return x, cache
+    def weights(self) -> dict[str, jax.Array]:  # name -> [L, ...]
+        names = ("input_layernorm", "post_attention_layernorm") + LORA_MODULES
+        return {n: getattr(self, n)[...] for n in names}
 
 
 class Llama(nnx.Module):
@@ -201,70 +195,120 @@ class Llama(nnx.Module):
         self.dtype = dtype
         self.embed_tokens = nnx.Param(
             nnx.initializers.normal(stddev=0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = DecoderLayers(cfg, dtype, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(
                 nnx.initializers.normal(stddev=0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # a constant, not a trainable Param
 
+    def forward(
+        self,
+        tokens: jax.Array,  # i32[T], groups packed in order
+        slot_ids: jax.Array,  # i32[T], -1 = base model (and padding)
+        groups: tuple[AttnGroup, ...],  # their B*Q add up to T
+        cache: KVCache,  # {"k", "v": [L, NB, bs, KVH, Dh]}
+        lora_state: LoRAState | None = None,  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}
+        *,
+        lora_impl: str = "auto",
+        attn_chunk: int = 128,
+    ) -> tuple[jax.Array, KVCache]:  # hidden states [T, D] before the final norm, new cache
+        cfg = self.cfg
+        h, kvh, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        num_blocks, bs = cache["k"].shape[1:3]
+        chunk = max(bs, attn_chunk // bs * bs)
+        positions = jnp.concatenate([g.positions.reshape(-1) for g in groups])  # [T]
+        cos, sin = rope_tables(positions, self.inv_freq[...])
+        # Where each token's key/value goes: (block of its position, offset); padding is dropped.
+        block = jnp.concatenate([
+            jnp.take_along_axis(g.block_tables, jnp.maximum(g.positions, 0) // bs, axis=1).reshape(-1)
+            for g in groups])
+        block = jnp.where(positions >= 0, block, num_blocks)
+        offset = jnp.maximum(positions, 0) % bs
+        eps = cfg.rms_norm_eps
+
+        def layer(carry, xs):
+            x, ck, cv = carry
+            w, lora, i = xs
+            get = (lambda m: lora.get(m)) if lora is not None else (lambda m: None)  # noqa: E731
+            y = rms_norm(x, w["input_layernorm"], eps)
+            q = lora_linear(y, w["q_proj"], get("q_proj"), slot_ids, lora_impl).reshape(-1, h, dh)
+            k = lora_linear(y, w["k_proj"], get("k_proj"), slot_ids, lora_impl).reshape(-1, kvh, dh)
+            v = lora_linear(y, w["v_proj"], get("v_proj"), slot_ids, lora_impl).reshape(-1, kvh, dh)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            ck = ck.at[i, block, offset].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[i, block, offset].set(v.astype(cv.dtype), mode="drop")
+            outs, start = [], 0
+            for g in groups:
+                b, nq = g.positions.shape
+                qg = q[start: start + b * nq].reshape(b, nq, h, dh)
+                outs.append(paged_attention(qg, g, ck, cv, i, chunk).reshape(b * nq, h * dh))
+                start += b * nq
+            attn = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+            x = x + lora_linear(attn.astype(x.dtype), w["o_proj"], get("o_proj"), slot_ids, lora_impl)
+            y = rms_norm(x, w["post_attention_layernorm"], eps)
+            gate = lora_linear(y, w["gate_proj"], get("gate_proj"), slot_ids, lora_impl)
+            up = lora_linear(y, w["up_proj"], get("up_proj"), slot_ids, lora_impl)
+            x = x + lora_linear(jax.nn.silu(gate) * up, w["down_proj"], get("down_proj"), slot_ids, lora_impl)
+            return (x, ck, cv), None
+
+        x = self.embed_tokens[...][tokens]
+        xs = (self.layers.weights(), lora_state or None, jnp.arange(cfg.num_hidden_layers))
+        (x, ck, cv), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]), xs)
+        return x, {"k": ck, "v": cv}
+
+    def logits(self, x: jax.Array) -> jax.Array:  # [..., D] hidden before the final norm -> f32[..., V]
+        x = self.norm(x)
+        head = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return jnp.dot(x, head, preferred_element_type=jnp.float32)
+
     def __call__(
         self,
         tokens: jax.Array,  # i32[B, T]
         positions: jax.Array,  # i32[B, T], -1 = padding
-        cache: KVCache,  # per layer {"k","v": [KVH, NB, bs, Dh]}
-        lora_state: LoRAState | None = None,  # module -> {"A": L x [N, in, R], "B": L x [N, R, out]}
+        cache: KVCache,  # {"k","v": [L, NB, bs, KVH, Dh]}
+        lora_state: LoRAState | None = None,  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}
         seq_slot_ids: jax.Array | None = None,  # i32[B], -1 = base model
         logits_index: jax.Array | None = None,  # i32[B]: which token of each row to produce logits for
-        block_tables: jax.Array | None = None,  # i32[B, span // bs]; None = sequence b owns block b
+        block_tables: jax.Array | None = None,  # i32[B, MB]; None = sequence b owns block b
         *,
-        span: int | None = None,
+        span: int | None = None,  # unused: attention reads up to the furthest position (kept for callers)
         lora_impl: str = "auto",
     ) -> tuple[jax.Array, KVCache]:  # logits f32[B, V] (or [B, T, V] without logits_index), new cache
+        """A batch of B sequences with T tokens each (one attention group)."""
+        del span
         bsz, t = tokens.shape
-        if block_tables is not None:
-            span = block_tables.shape[1] * cache[0]["k"].shape[2]
-        span = span or cache[0]["k"].shape[2]
+        if block_tables is None:
+            block_tables = jnp.arange(bsz, dtype=jnp.int32)[:, None]
         if seq_slot_ids is None:
             seq_slot_ids = jnp.full((bsz,), -1, jnp.int32)
         # Padding tokens must never read a real slot.
         slot_ids = jnp.where(positions >= 0, seq_slot_ids[:, None], -1).reshape(bsz * t)
-        x = self.embed_tokens[...][tokens]
-        new_cache = []
-        for i, layer in enumerate(self.layers):
-            lora = None
-            if lora_state:
-                lora = {m: {"A": s["A"][i], "B": s["B"][i]} for m, s in lora_state.items()}
-            x, c = layer(x, positions, cache[i], block_tables, lora, slot_ids, self.inv_freq[...], span, lora_impl)
-            new_cache.append(c)
+        x, cache = self.forward(tokens.reshape(-1), slot_ids, (AttnGroup(positions, block_tables),), cache,
+                                lora_state, lora_impl=lora_impl)
+        x = x.reshape(bsz, t, -1)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
-        x = self.norm(x)
-        head = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-        return logits, new_cache
+        return self.logits(x), cache
 
 
 def init_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32) -> KVCache:
-    """Zeroed KV cache, heads first; `init_cache(cfg, batch, max_len)` is one region (block) per sequence."""
-    shape = (cfg.num_key_value_heads, num_blocks, block_size, cfg.head_dim)
-    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_hidden_layers)]
+    """Zeroed KV cache {"k", "v": [L, NB, bs, KVH, Dh]}; `init_cache(cfg, batch, max_len)` is one
+    region (block) per sequence, what a direct model call without block tables reads."""
+    shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 def init_lora_state(
     cfg: LlamaConfig, max_loras: int, max_rank: int, dtype: Any = jnp.float32,
     modules: tuple[str, ...] = LORA_MODULES,
 ) -> LoRAState:
-    """Empty slots: per module {"A": L x [N, in, R], "B": L x [N, R, out]} (tuples over layers).
-
-    Logically A is [L, N, in, R]; it is kept as one array per layer because XLA:CPU copies a
-    layer's slice out of a stacked array before each matmul, which measured 5x slower for the
-    LoRA part of a decode step (74 ms vs 14 ms, 30 layers x 7 modules, N=4, R=32, T=16).
-    """
+    """Empty slots: per module {"A": [L, N, in, R], "B": [L, N, R, out]}, stacked like the weights
+    so the decoder's layer scan slices them with its layer."""
     shapes = cfg.module_shapes()
     L = cfg.num_hidden_layers
     return {
-        m: {"A": tuple(jnp.zeros((max_loras, shapes[m][0], max_rank), dtype) for _ in range(L)),
-            "B": tuple(jnp.zeros((max_loras, max_rank, shapes[m][1]), dtype) for _ in range(L))}
+        m: {"A": jnp.zeros((L, max_loras, shapes[m][0], max_rank), dtype),
+            "B": jnp.zeros((L, max_loras, max_rank, shapes[m][1]), dtype)}
         for m in modules
     }

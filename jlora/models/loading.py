@@ -137,22 +137,25 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
 # ---- HF-named tensors -> NNX model -------------------------------------------------------------
 
 
-def hf_name_table(cfg: LlamaConfig) -> dict[str, tuple[tuple[Any, ...], bool]]:
-    """HF tensor name -> (path in the NNX state, transpose?) for every weight the model has."""
-    table: dict[str, tuple[tuple[Any, ...], bool]] = {
-        "model.embed_tokens.weight": (("embed_tokens",), False),
-        "model.norm.weight": (("norm", "weight"), False),
+def hf_name_table(cfg: LlamaConfig) -> dict[str, tuple[tuple[Any, ...], int | None, bool]]:
+    """HF tensor name -> (path in the NNX state, layer index or None, transpose?) for every weight.
+
+    Per-layer weights land at `layer` in the stacked [L, ...] parameter at `path`.
+    """
+    table: dict[str, tuple[tuple[Any, ...], int | None, bool]] = {
+        "model.embed_tokens.weight": (("embed_tokens",), None, False),
+        "model.norm.weight": (("norm", "weight"), None, False),
     }
     if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = (("lm_head",), True)
+        table["lm_head.weight"] = (("lm_head",), None, True)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for sub in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            table[p + f"self_attn.{sub}.weight"] = (("layers", i, "self_attn", sub, "kernel"), True)
+            table[p + f"self_attn.{sub}.weight"] = (("layers", sub), i, True)
         for sub in ("gate_proj", "up_proj", "down_proj"):
-            table[p + f"mlp.{sub}.weight"] = (("layers", i, "mlp", sub, "kernel"), True)
-        table[p + "input_layernorm.weight"] = (("layers", i, "input_layernorm", "weight"), False)
-        table[p + "post_attention_layernorm.weight"] = (("layers", i, "post_attention_layernorm", "weight"), False)
+            table[p + f"mlp.{sub}.weight"] = (("layers", sub), i, True)
+        table[p + "input_layernorm.weight"] = (("layers", "input_layernorm"), i, False)
+        table[p + "post_attention_layernorm.weight"] = (("layers", "post_attention_layernorm"), i, False)
     return table
 
 
@@ -166,13 +169,21 @@ def build_model(cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = j
     unknown = sorted(k for k in tensors if k not in table and k not in ignored and "rotary_emb" not in k)
     if unknown:
         raise ValueError(f"checkpoint has tensors this Llama does not use: {unknown[:5]}")
-    for name, (path, transpose) in table.items():
+    np_dtype = np.dtype(jnp.dtype(dtype).name) if jnp.dtype(dtype) != jnp.bfloat16 else np.float32
+    stacks = {path: np.empty(flat[path].get_value().shape, np_dtype)
+              for path, layer, _ in table.values() if layer is not None}
+    for name, (path, layer, transpose) in table.items():
         if name not in tensors:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
         arr = tensors[name].T if transpose else tensors[name]
-        expected = flat[path].get_value().shape
+        expected = flat[path].get_value().shape[1:] if layer is not None else flat[path].get_value().shape
         if arr.shape != tuple(expected):
             raise ValueError(f"tensor {name!r} has shape {tensors[name].shape}, expected {expected} (after transpose={transpose})")
+        if layer is None:
+            flat[path].set_value(jnp.asarray(arr, dtype=dtype))
+        else:
+            stacks[path][layer] = arr
+    for path, arr in stacks.items():
         flat[path].set_value(jnp.asarray(arr, dtype=dtype))
     nnx.update(model, nnx.from_flat_state(flat))
     # eval_shape left the rotary constant abstract; recompute it concretely.
