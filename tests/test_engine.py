@@ -243,3 +243,18 @@ def test_bad_requests_raise_and_leave_engine_serving(llm, tmp_path):
             SamplingParams(**bad)
     assert not llm.engine.has_unfinished()
     assert llm.generate(["Hello there"], greedy(6))[0].outputs[0].token_ids == expected
+
+
+def test_graph_count_is_what_the_config_predicts(tiny_dir):
+    # One step graph per prefill chunk bucket plus one for decode-only steps, whatever the batch
+    # or span; the count after warm-up does not move through a mixed workload.
+    before = compile_stats.stage_table().get("step", (0, 0.0))[0]
+    cfg = dict(ENGINE, token_buckets=(8, 16, 32), max_model_len=128)
+    llm = LLM(str(tiny_dir[0]), progress=False, **cfg)
+    compiled = compile_stats.stage_table()["step"][0] - before
+    assert compiled == llm.config.num_step_graphs == 4
+    count = compile_stats.compile_count()
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(0, 1000, int(n)).tolist()} for n in rng.integers(1, 100, 9)]
+    llm.generate(prompts, [greedy(int(n)) for n in rng.integers(1, 20, 9)], use_tqdm=False)
+    assert compile_stats.compile_count() == count

@@ -14,4 +14,4 @@ def test_quickstart_notebook_executes():
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "digit-seven" in outputs and "all-caps" in outputs
-    assert "prefill" in outputs and "decode" in outputs  # the compile report table
+    assert "step" in outputs and "set_slot" in outputs  # the compile report table
