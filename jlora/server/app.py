@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jlora.adapters.peft import JLORA_ADAPTER_META, SAFETENSORS_FILE
@@ -165,7 +166,10 @@ class OpenAIServer:
         gen = Generation(self.engine, fmt.id, len(prompts))
         await gen.start(prompts, params, lora)
         if req.stream:
-            return StreamingResponse(self._stream(gen, fmt, len(prompts)), media_type="text/event-stream")
+            # The stream's finally aborts on a disconnect; the background close also covers a client
+            # that leaves before the first chunk (the generator never started, so no finally runs).
+            return StreamingResponse(self._stream(gen, fmt, len(prompts)), media_type="text/event-stream",
+                                     background=BackgroundTask(gen.close))
         return await _unless_disconnected(request, self._whole(gen, fmt))
 
     async def _whole(self, gen: Generation, fmt: Formatter) -> Response:
@@ -284,7 +288,7 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if server.engine.alive else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

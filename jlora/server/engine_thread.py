@@ -93,6 +93,10 @@ class EngineThread:
         self._thread.join()
 
     @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def compiles_after_start(self) -> int:
         return compile_stats.compile_count() - self._compiles_at_start
 
@@ -113,15 +117,13 @@ class EngineThread:
                 self._update_snapshot()
                 self._fail_pending_commands()
                 return
-            if eng.has_unfinished():
-                try:
-                    changed = {o.request_id: o for o in eng.step()}
-                except Exception:  # an engine bug must not hang every client: end what is running
-                    log.exception("engine step failed; aborting the running requests")
-                    self._finish_all("error")
-                    changed = {}
-                self._deliver(changed)
-            self._update_snapshot()
+            try:
+                if eng.has_unfinished():
+                    self._deliver({o.request_id: o for o in eng.step()})
+                self._update_snapshot()
+            except Exception:  # an engine bug must not hang every client: end what is running, go on
+                log.exception("engine step failed; aborting the running requests")
+                self._finish_all("error")
 
     def _run_commands(self, block: bool) -> None:
         try:
