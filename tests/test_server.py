@@ -347,3 +347,13 @@ def test_cli_serve_sigterm_finishes_the_running_request_and_exits_0(tiny_dir, ti
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_flags_are_checked_before_the_model_loads(capsys):
+    from jlora.cli import main
+    from jlora.server.serve import parse_lora_modules
+
+    assert main(["serve", "--enable-runtime-lora-updating"]) == 2
+    assert "--lora-root" in capsys.readouterr().err
+    assert main(["serve", "--lora-modules", "no-equals-sign"]) == 2
+    assert parse_lora_modules(["a=x/y", '{"name": "b", "path": "/z"}']) == {"a": "x/y", "b": "/z"}

@@ -122,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-loras", type=int, default=2, help="fewer slots than adapters: swaps are part of the load")
+    p.add_argument("--max-loras", type=int, default=4, help="device adapter slots (below 3, the demo adapters "
+                                                             "take turns)")
     p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--token-buckets", default="32,128")
+    p.add_argument("--token-buckets", default="32,256")
     p.add_argument("--batch-buckets", default="1,8")
     p.add_argument("--span-buckets", default="128,256")
     p.add_argument("--seed", type=int, default=0)
@@ -171,11 +172,24 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.should_exit = True
         thread.join(60)
+    # The same requests offline (LLM.chat, everything queued at once): what the HTTP layer costs.
+    from jlora import SamplingParams
+
+    served = app.state.server.adapters
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    t1 = time.perf_counter()
+    outs = llm.chat([[{"role": "user", "content": q}] for _, q in jobs], params,
+                    [served.get(m) for m, _ in jobs], use_tqdm=False)
+    offline_tps = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t1)
     stats = llm.engine.adapters.stats
     print(f"\n{args.num_requests} requests per rate, {args.max_tokens} output tokens each (EOS ignored), greedy; "
           f"models round-robin over {models}; max_loras={args.max_loras}, max_num_seqs={args.max_num_seqs}, "
           f"max_model_len={args.max_model_len}.\n")
     print(format_table(rows))
+    inf_row = next((r for r in rows if math.isinf(r["rate"])), None)
+    if inf_row:
+        print(f"\nOffline LLM.chat on the same {len(jobs)} requests: {offline_tps:.1f} output tok/s; the server at "
+              f"rate inf reaches {inf_row['out_tok_per_s'] / offline_tps:.2f}x of it.")
     print(f"\nXLA compilations during the run: {new_compiles}. Adapter slot hits {stats['slot_hits']}, "
           f"loads into a slot {stats['slot_writes']}, evictions {stats['evictions']}; preemptions "
           f"{llm.engine.num_preemptions}.")

@@ -39,11 +39,10 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         m = re.match(r"SamplingParams\.(\w+)=(.*)", str(e), re.S)
         if m is None:
             raise APIError(400, str(e)) from e
-        return _raise_field(m.group(1), m.group(1) + "=" + m.group(2))
-
-
-def _raise_field(field: str, message: str) -> Any:
-    raise APIError(400, message, param=field)
+        field = m.group(1)
+        if field == "logprobs" and isinstance(req, ChatCompletionRequest):
+            field = "top_logprobs"  # the chat API's name for the count
+        raise APIError(400, f"{field}={m.group(2)}", param=field) from e
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: Any) -> list[Prompt]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the base model's id (default: --model, or the "
                                                              "default model's name)")
     p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
-                   help="adapters served from the start, each as its own model")
+                   help="adapters served from the start, each as its own model (or JSON {\"name\", \"path\"})")
     p.add_argument("--api-key", default=os.environ.get("JLORA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (env JLORA_API_KEY)")
     p.add_argument("--enable-runtime-lora-updating", action="store_true",
@@ -36,9 +37,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """NAME=PATH items, or vLLM's JSON form {"name": ..., "path": ...}."""
     out = {}
     for item in items:
-        name, sep, path = item.partition("=")
+        if item.lstrip().startswith("{"):
+            try:
+                obj = json.loads(item)
+                name, path, sep = obj["name"], obj["path"], "="
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--lora-modules: {item!r} is not {{\"name\": ..., \"path\": ...}}: {e}") from e
+        else:
+            name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"--lora-modules expects NAME=PATH, got {item!r}")
         if name in out:
