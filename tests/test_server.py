@@ -317,6 +317,28 @@ def test_metrics(live):
     assert _metric(live, "jlora_lora_evictions_total") > 0
 
 
+def test_shutdown_deadline_aborts_running_streams_cleanly(live):
+    """What SIGTERM does once --shutdown-timeout has passed (runs last: it stops this module's engine)."""
+    with live.http() as http:
+        with http.stream("POST", "/v1/completions", json={"model": "a2", "prompt": PROMPTS[4], "max_tokens": 120,
+                                                          "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            live.srv.engine.begin_stop(0.0)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        deadline = time.monotonic() + 10
+        while live.srv.engine.alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        eng = live.llm.engine  # the engine thread is gone: safe to look from here
+        assert eng.kv.num_free == eng.config.num_kv_blocks and not eng.requests
+        assert http.get("/health").status_code == 503
+        err = _error(http.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}), 503)
+        assert "shutting down" in err["message"] or "not running" in err["message"]
+
+
 def test_cli_serve_sigterm_finishes_the_running_request_and_exits_0(tiny_dir, tiny_adapters):
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-m", "jlora.cli", "serve", "--model", str(tiny_dir[0]), "--port", "0",

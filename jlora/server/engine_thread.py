@@ -85,11 +85,15 @@ class EngineThread:
         """Abort and drop requests (a client went away); their KV blocks and slot pins are freed."""
         self.call(lambda: self._abort(request_ids, "abort"))
 
+    def begin_stop(self, grace_s: float = 0.0) -> None:
+        """Take no new requests; let running ones finish for up to `grace_s`, then abort the rest
+        (their clients get a last update with finish_reason "abort") and end the thread."""
+        if self._thread.is_alive():
+            self._cmds.put((self._begin_stop(grace_s), None))
+
     def stop(self, grace_s: float = 0.0) -> None:
-        """Take no new requests, let running ones finish for up to `grace_s`, abort the rest, join."""
-        if not self._thread.is_alive():
-            return
-        self._cmds.put((self._begin_stop(grace_s), None))
+        """`begin_stop(grace_s)` and wait for the thread to end."""
+        self.begin_stop(grace_s)
         self._thread.join()
 
     @property
@@ -103,9 +107,9 @@ class EngineThread:
     # ---- the engine thread ----------------------------------------------------------------------------
 
     def _begin_stop(self, grace_s: float) -> Callable[[], None]:
-        def begin() -> None:
+        def begin() -> None:  # a second call can only bring the deadline closer
             self._stopping = True
-            self._deadline = time.monotonic() + grace_s
+            self._deadline = min(self._deadline, time.monotonic() + grace_s)
         return begin
 
     def _run(self) -> None:

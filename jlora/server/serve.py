@@ -56,12 +56,24 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
     return out
 
 
-def make_server(app: Any, host: str, port: int, shutdown_timeout: float | None = None,
-                log_level: str = "info") -> Any:
-    """A uvicorn.Server for `app` (uvicorn is imported here so the rest of the CLI does not need it)."""
+def make_server(app: Any, host: str, port: int, shutdown_timeout: float = 30.0, log_level: str = "info") -> Any:
+    """A uvicorn.Server for `app` (uvicorn is imported here so the rest of the CLI does not need it).
+
+    On shutdown the engine thread of a `build_app` app gets `shutdown_timeout` seconds to finish
+    what runs, then aborts the rest, so every stream still ends with a final chunk and [DONE];
+    uvicorn's own cancellation of open responses is only a backstop after that.
+    """
     import uvicorn
 
+    engine = getattr(getattr(app, "state", None), "server", None)
+    engine = getattr(engine, "engine", None)
+
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            if engine is not None:
+                engine.begin_stop(shutdown_timeout)
+            await super().shutdown(sockets)
+
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would end the
         # process with -15; here SIGTERM/SIGINT only start that shutdown, so a clean stop exits 0.
         @contextlib.contextmanager
@@ -77,7 +89,7 @@ def make_server(app: Any, host: str, port: int, shutdown_timeout: float | None =
                     signal.signal(sig, handler)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+                            timeout_graceful_shutdown=shutdown_timeout + 10.0, lifespan="on")
     return Server(config)
 
 
