@@ -59,6 +59,7 @@ class OpenAIServer:
         self.created = int(time.time())
         for name, path in (lora_modules or {}).items():  # operator-given: not confined to lora_root
             self._check_name(name)
+            _no_pickles(Path(path).resolve(), path)
             lr = LoRARequest(name, next(self._lora_ids), str(Path(path).resolve()))
             llm.engine.adapters.prepare(lr)  # fail at start-up, not on the first request
             self.adapters[name] = lr
@@ -99,10 +100,7 @@ class OpenAIServer:
             if not f.resolve().is_relative_to(self.lora_root):
                 raise APIError(400, f"lora_path {raw!r} holds {f.name!r}, which points outside the adapter root",
                                param="lora_path")
-        if not (resolved / SAFETENSORS_FILE).is_file() and not (resolved / JLORA_ADAPTER_META).is_file():
-            # adapter_model.bin is a pickle: never loaded from a client-named path.
-            raise APIError(400, f"lora_path {raw!r} has no {SAFETENSORS_FILE} (pickled adapter_model.bin "
-                                f"files are not loaded)", param="lora_path")
+        _no_pickles(resolved, raw)
         return resolved
 
     async def load_adapter(self, body: LoadLoRAAdapterRequest) -> str:
@@ -193,6 +191,13 @@ class OpenAIServer:
                 yield c
         finally:
             gen.close()
+
+
+def _no_pickles(path: Path, raw: str) -> None:
+    """The server never unpickles: a PEFT directory must hold safetensors (or be a converted one)."""
+    if path.is_dir() and not (path / SAFETENSORS_FILE).is_file() and not (path / JLORA_ADAPTER_META).is_file():
+        raise APIError(400, f"lora_path {raw!r} has no {SAFETENSORS_FILE} (pickled adapter_model.bin files are "
+                            f"not loaded by the server; re-save with safetensors)", param="lora_path")
 
 
 async def _unless_disconnected(request: Request, work: Any) -> Response:
