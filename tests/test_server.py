@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -118,6 +119,21 @@ def test_completion_stream_equals_whole_equals_offline(live, model):
     assert [int(t.split(":")[1]) for c in chunks if c.choices and c.choices[0].logprobs
             for t in c.choices[0].logprobs.tokens] == tokens
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_several_prompts_and_n_samples_stream_and_whole(live):
+    client = live.client()
+    kw = dict(model="a4", prompt=PROMPTS[:2], max_tokens=6, temperature=0.0, n=2, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    refs = [o.outputs[0].text for o in live.offline(PROMPTS[:2], "a4", 6)]
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [refs[0], refs[0], refs[1], refs[1]]
+    assert whole.usage.completion_tokens == 24
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in whole.choices]
 
 
 def test_chat_stream_equals_whole_equals_offline(live):
@@ -347,14 +363,14 @@ def test_cli_serve_sigterm_finishes_the_running_request_and_exits_0(tiny_dir, ti
            "--lora-modules", f"ad={tiny_adapters[0]}", "--api-key", KEY, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        lines: queue.Queue = queue.Queue()  # read in a thread, so a silent hang cannot block the test
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
         deadline = time.monotonic() + 120
         url = None
-        for line in proc.stdout:  # "jlora serve: ... on http://127.0.0.1:PORT/v1"
+        while url is None:  # "jlora serve: ... on http://127.0.0.1:PORT/v1"
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
             if line.startswith("jlora serve:"):
                 url = line.split(" on ")[-1].strip()
-                break
-            assert time.monotonic() < deadline
-        assert url, "the server did not start"
         client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60,
                                http_client=httpx.Client(trust_env=False))
         assert [m.id for m in client.models.list().data] == [str(tiny_dir[0]), "ad"]

@@ -34,7 +34,8 @@ from jlora.server.protocol import (
     error_body,
 )
 
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # adapter names: no slashes, no leading dot
+# Adapter names are only keys (never paths), but stay plain anyway: no leading dot or slash, no "..".
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -83,7 +84,7 @@ class OpenAIServer:
         return {"object": "list", "data": data}
 
     def _check_name(self, name: str) -> None:
-        if not _NAME_RE.fullmatch(name) or name == self.model_id:
+        if not _NAME_RE.fullmatch(name) or ".." in name or name == self.model_id:
             raise APIError(400, f"lora_name {name!r} must match {_NAME_RE.pattern} and differ from the base "
                                 f"model's id", param="lora_name")
 
