@@ -374,6 +374,9 @@ def test_cli_serve_sigterm_finishes_the_running_request_and_exits_0(tiny_dir, ti
         client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60,
                                http_client=httpx.Client(trust_env=False))
         assert [m.id for m in client.models.list().data] == [str(tiny_dir[0]), "ad"]
+        load = httpx.post(url + "/load_lora_adapter", json={"lora_name": "b", "lora_path": str(tiny_adapters[1])},
+                          headers={"Authorization": f"Bearer {KEY}"}, trust_env=False)
+        assert load.status_code == 404  # no runtime loading without --enable-runtime-lora-updating
         stream = client.completions.create(model="ad", prompt="Hello", max_tokens=100, temperature=0.0,
                                            stream=True, extra_body={"ignore_eos": True})
         chunks = [next(iter(stream))]

@@ -114,24 +114,30 @@ class EngineThread:
 
     def _run(self) -> None:
         eng = self.engine
+        stalled = False  # the last step changed nothing and nothing runs: don't spin on it
         while True:
-            self._run_commands(block=not eng.has_unfinished())
+            busy = eng.has_unfinished() and not stalled
+            self._run_commands(timeout=None if busy else _IDLE_WAIT_S)
             if self._stopping and (not eng.has_unfinished() or time.monotonic() >= self._deadline):
                 self._finish_all("abort")
                 self._update_snapshot()
                 self._fail_pending_commands()
                 return
             try:
+                stalled = False
                 if eng.has_unfinished():
-                    self._deliver({o.request_id: o for o in eng.step()})
+                    changed = {o.request_id: o for o in eng.step()}
+                    self._deliver(changed)
+                    stalled = not changed and not eng.running
                 self._update_snapshot()
             except Exception:  # an engine bug must not hang every client: end what is running, go on
                 log.exception("engine step failed; aborting the running requests")
                 self._finish_all("error")
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, timeout: float | None) -> None:
+        """Run the queued commands; wait up to `timeout` s for the first one (None: don't wait)."""
         try:
-            item = self._cmds.get(timeout=_IDLE_WAIT_S) if block else self._cmds.get_nowait()
+            item = self._cmds.get(timeout=timeout) if timeout else self._cmds.get_nowait()
         except queue.Empty:
             return
         while True:
