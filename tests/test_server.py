@@ -22,8 +22,9 @@ from jlora import LLM, SamplingParams, compile_stats
 from jlora.server.app import build_app
 from jlora.server.serve import bind, make_server
 
+# Only sizes every engine version takes (the tiny model compiles its graphs in a second or two).
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_loras=2, max_lora_rank=8,
-              token_buckets=(16, 32), batch_buckets=(1, 4), span_buckets=(64, 128))
+              token_buckets=(16, 32))
 KEY = "sk-test-key"
 ADAPTERS = [f"a{i}" for i in range(8)]  # served from the start; 8 adapters through 2 slots
 PROMPTS = ["Hello there", "Once upon a time", "1 2 3 4", "The quick brown fox", "Dear diary,", "In the beginning",
@@ -285,7 +286,8 @@ def _engine_idle(live) -> bool:
     eng = live.llm.engine
     return live.on_engine(lambda: eng.kv.num_free == eng.config.num_kv_blocks and not eng.requests
                           and not eng.has_unfinished()
-                          and all(eng.adapters.pins(s) == 0 for s in range(live.llm.config.max_loras)))
+                          and all(eng.adapters.pins(s) == 0 for s in range(live.llm.config.max_loras)
+                                  if hasattr(eng.adapters, "pins")))
 
 
 def _wait_idle(live, timeout: float = 20.0) -> None:
@@ -359,7 +361,7 @@ def test_cli_serve_sigterm_finishes_the_running_request_and_exits_0(tiny_dir, ti
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-m", "jlora.cli", "serve", "--model", str(tiny_dir[0]), "--port", "0",
            "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-loras", "2",
-           "--max-lora-rank", "8", "--token-buckets", "16,32", "--batch-buckets", "1,4", "--span-buckets", "64,128",
+           "--max-lora-rank", "8", "--token-buckets", "16,32",
            "--lora-modules", f"ad={tiny_adapters[0]}", "--api-key", KEY, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -126,24 +126,21 @@ def main(argv: list[str] | None = None) -> int:
                                                              "take turns)")
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--token-buckets", default="32,256")
-    p.add_argument("--batch-buckets", default="1,8")
-    p.add_argument("--span-buckets", default="128,256")
+    p.add_argument("--batch-buckets", default=None, help="if this engine has them (comma-separated)")
+    p.add_argument("--span-buckets", default=None, help="if this engine has them (comma-separated)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
     from jlora import LLM, compile_stats
     from jlora.models.loading import DEFAULT_MODEL
     from jlora.server.app import build_app
-    from jlora.server.serve import bind, make_server
+    from jlora.server.serve import bind, engine_kwargs, make_server
 
     rates = [float(x) for x in args.rates.split(",")]
     lora_modules = {n: str(Path(args.adapters_dir) / n) for n in DEMO_ADAPTERS}
-    buckets = (lambda t: tuple(int(x) for x in t.split(",")))
     t0 = time.perf_counter()
-    llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-              token_buckets=buckets(args.token_buckets), batch_buckets=buckets(args.batch_buckets),
-              span_buckets=buckets(args.span_buckets))
+    flags = {k: v for k, v in vars(args).items() if k not in ("num_requests", "rates", "seed", "max_tokens")}
+    llm = LLM(args.model, **engine_kwargs(flags))
     model_id = args.model or DEFAULT_MODEL
     app = build_app(llm, model_id, lora_modules=lora_modules)
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -103,6 +104,25 @@ def bind(host: str, port: int = 0) -> socket.socket:
     return sock
 
 
+def engine_kwargs(flags: dict[str, Any]) -> dict[str, Any]:
+    """LLM keyword arguments from parsed flags: the engine sizes, and whichever bucket flags exist.
+
+    Bucket flags (*_buckets, "1,8,...") are passed only when set and only if this engine's LLM takes
+    them, so the server follows the engine's flag set as it changes.
+    """
+    from jlora import LLM
+
+    accepted = inspect.signature(LLM).parameters
+    kw: dict[str, Any] = {}
+    for name, value in flags.items():
+        if name not in accepted or name == "model" or value is None:
+            continue
+        if name.endswith("_buckets"):
+            value = tuple(int(x) for x in str(value).split(","))
+        kw[name] = value
+    return kw
+
+
 def serve_main(args: argparse.Namespace) -> int:
     from jlora import LLM
     from jlora.models.loading import DEFAULT_MODEL
@@ -111,12 +131,7 @@ def serve_main(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     if args.enable_runtime_lora_updating and not args.lora_root:
         raise ValueError("--enable-runtime-lora-updating needs --lora-root (runtime paths are confined to it)")
-    buckets = (lambda t: tuple(int(x) for x in t.split(",")) if t else None)
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
-              max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras, num_kv_blocks=args.num_kv_blocks,
-              token_buckets=buckets(args.token_buckets), batch_buckets=buckets(args.batch_buckets),
-              span_buckets=buckets(args.span_buckets))
+    llm = LLM(args.model, **engine_kwargs(vars(args)))
     model_id = args.served_model_name or args.model or DEFAULT_MODEL
     app = build_app(llm, model_id, lora_modules=lora_modules, api_key=args.api_key,
                     enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_root=args.lora_root)
