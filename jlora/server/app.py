@@ -134,6 +134,7 @@ class OpenAIServer:
     # ---- generation -----------------------------------------------------------------------------------
 
     async def complete(self, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+        received = time.time()
         chat = isinstance(req, ChatCompletionRequest)
         lora = self.lora_for(req.model)
         if req.stream_options is not None and not req.stream:
@@ -162,7 +163,7 @@ class OpenAIServer:
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         fmt = Formatter(chat, req.model, req.n, self.llm.tokenizer, num_logprobs, include_usage,
                         req.return_tokens_as_token_ids)
-        gen = Generation(self.engine, fmt.id, len(prompts))
+        gen = Generation(self.engine, fmt.id, len(prompts), received)
         await gen.start(prompts, params, lora)
         if req.stream:
             # The stream's finally aborts on a disconnect; the background close also covers a client

@@ -111,12 +111,12 @@ def check_lengths(prompts: list[Prompt], max_tokens: int | None, max_model_len: 
 class Generation:
     """The engine requests behind one HTTP request, and their updates as an async stream."""
 
-    def __init__(self, engine: EngineThread, prefix: str, num_prompts: int):
+    def __init__(self, engine: EngineThread, prefix: str, num_prompts: int, received: float):
         self.engine = engine
         self.request_ids = [f"{prefix}-{i}" for i in range(num_prompts)]
         self.pending = set(range(num_prompts))
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
-        self.received = time.time()
+        self.received = received  # time.time() when the HTTP request arrived
 
     async def start(self, prompts: list[Prompt], params: SamplingParams, lora: LoRARequest | None) -> None:
         loop = asyncio.get_running_loop()
@@ -127,7 +127,8 @@ class Generation:
         try:
             await asyncio.wrap_future(self.engine.submit(self.request_ids, prompts, params, lora, callback,
                                                          self.received))
-        except (ValueError, FileNotFoundError) as e:
+        except (ValueError, FileNotFoundError) as e:  # nothing was queued
+            self.pending.clear()
             raise APIError(400, str(e)) from e
         except ShuttingDown as e:
             self.pending.clear()

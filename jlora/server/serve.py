@@ -6,14 +6,11 @@ import argparse
 import contextlib
 import inspect
 import json
-import logging
 import os
 import signal
 import socket
 import threading
 from typing import Any, Iterator
-
-log = logging.getLogger("jlora.server")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
