@@ -1,4 +1,4 @@
-"""Command line: `jlora generate`, `jlora demo`, `jlora convert`, `jlora bench`."""
+"""Command line: `jlora generate`, `jlora demo`, `jlora convert`, `jlora bench`, `jlora serve`."""
 
 from __future__ import annotations
 
@@ -62,7 +62,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return convert_main(args.rest)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jlora.server.serve import serve_main
+
+    return serve_main(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "serve":
+        from jlora.server.bench import main as serve_bench_main
+
+        return serve_bench_main(args.rest)
     if args.what == "kernels":
         from jlora.kernels.bench import main as kernels_main
 
@@ -100,8 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("rest", nargs=argparse.REMAINDER)
     c.set_defaults(fn=cmd_convert)
 
-    b = sub.add_parser("bench", help="benchmarks: `jlora bench` (end to end) or `jlora bench kernels`")
-    b.add_argument("what", nargs="?", default="e2e", choices=["e2e", "kernels"])
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (adapters are models)")
+    _add_engine_args(s, max_model_len=2048, max_num_seqs=16)
+    from jlora.server.serve import add_server_args
+
+    add_server_args(s)
+    s.set_defaults(fn=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks: `jlora bench` (end to end), `jlora bench kernels` or "
+                                     "`jlora bench serve`")
+    b.add_argument("what", nargs="?", default="e2e", choices=["e2e", "kernels", "serve"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 
@@ -110,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["convert"]:
         argv = ["convert", "--"] + argv[1:]
     if argv[:1] == ["bench"]:
-        what = "kernels" if argv[1:2] == ["kernels"] else "e2e"
-        argv = ["bench", what, "--"] + argv[1 + (what == "kernels"):]
+        what = argv[1] if argv[1:2] in (["kernels"], ["serve"]) else "e2e"
+        argv = ["bench", what, "--"] + argv[1 + (what != "e2e"):]
     args = parser.parse_args(argv)
     if args.cmd in ("convert", "bench") and args.rest[:1] == ["--"]:
         args.rest = args.rest[1:]

@@ -1,0 +1,1 @@
+"""`jlora serve`: an OpenAI-compatible HTTP server over the engine (see app.py)."""

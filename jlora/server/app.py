@@ -1,0 +1,327 @@
+"""The OpenAI-compatible ASGI app: routes, auth, errors, the adapter registry and the engine thread's life.
+
+`build_app(llm, ...)` returns a FastAPI app; `jlora serve` runs it under uvicorn. Every route but
+/health needs `Authorization: Bearer <api_key>` when an api key is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jlora.adapters.peft import JLORA_ADAPTER_META, SAFETENSORS_FILE
+from jlora.adapters.request import LoRARequest
+from jlora.server.engine_thread import EngineThread
+from jlora.server.generate import (
+    Formatter, Generation, chat_prompt, check_lengths, completion_prompts, sampling_params,
+)
+from jlora.server.metrics import CONTENT_TYPE, ServerMetrics
+from jlora.server.protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
+    error_body,
+)
+
+# Adapter names are only keys (never paths), but stay plain anyway: no leading dot or slash, no "..".
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class OpenAIServer:
+    """State shared by the routes: the engine thread, the base model's id and the served adapters."""
+
+    def __init__(self, llm: Any, model_id: str, lora_modules: dict[str, str] | None = None,
+                 enable_runtime_lora_updating: bool = False, lora_root: str | os.PathLike | None = None,
+                 shutdown_grace_s: float = 0.0):
+        if enable_runtime_lora_updating and lora_root is None:
+            raise ValueError("runtime adapter loading needs lora_root (--lora-root): paths are confined to it")
+        self.llm = llm
+        self.model_id = model_id
+        self.max_model_len: int = llm.config.max_model_len
+        self.metrics = ServerMetrics()
+        self.engine = EngineThread(llm, self.metrics)
+        self.runtime_lora = enable_runtime_lora_updating
+        self.lora_root = Path(lora_root).resolve(strict=True) if lora_root is not None else None
+        self.shutdown_grace_s = shutdown_grace_s
+        self.adapters: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)  # never reused, so a reloaded name is a new version
+        self.created = int(time.time())
+        for name, path in (lora_modules or {}).items():  # operator-given: not confined to lora_root
+            self._check_name(name)
+            _no_pickles(Path(path).resolve(), path)
+            lr = LoRARequest(name, next(self._lora_ids), str(Path(path).resolve()))
+            llm.engine.adapters.prepare(lr)  # fail at start-up, not on the first request
+            self.adapters[name] = lr
+
+    # ---- models and adapters ------------------------------------------------------------------------
+
+    def lora_for(self, model: str) -> LoRARequest | None:
+        if model == self.model_id:
+            return None
+        if model in self.adapters:
+            return self.adapters[model]
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def models(self) -> dict[str, Any]:
+        def card(mid: str, root: str, parent: str | None) -> dict[str, Any]:
+            return {"id": mid, "object": "model", "created": self.created, "owned_by": "jlora", "root": root,
+                    "parent": parent, "max_model_len": self.max_model_len, "permission": []}
+
+        data = [card(self.model_id, str(self.llm.model_path), None)]
+        data += [card(n, lr.lora_path, self.model_id) for n, lr in self.adapters.items()]
+        return {"object": "list", "data": data}
+
+    def _check_name(self, name: str) -> None:
+        if not _NAME_RE.fullmatch(name) or ".." in name or name == self.model_id:
+            raise APIError(400, f"lora_name {name!r} must match {_NAME_RE.pattern} and differ from the base "
+                                f"model's id", param="lora_name")
+
+    def confined_path(self, raw: str) -> Path:
+        """The adapter directory `raw` names, resolved (symlinks too); 400 unless it lies in lora_root."""
+        assert self.lora_root is not None
+        p = Path(raw).expanduser()
+        resolved = (p if p.is_absolute() else self.lora_root / p).resolve()
+        if resolved == self.lora_root or not resolved.is_relative_to(self.lora_root):
+            raise APIError(400, f"lora_path {raw!r} is outside the adapter root (--lora-root)", param="lora_path")
+        if not resolved.is_dir():
+            raise APIError(400, f"lora_path {raw!r} is not an adapter directory", param="lora_path")
+        for f in resolved.rglob("*"):  # a symlinked file inside must not point out either
+            if not f.resolve().is_relative_to(self.lora_root):
+                raise APIError(400, f"lora_path {raw!r} holds {f.name!r}, which points outside the adapter root",
+                               param="lora_path")
+        _no_pickles(resolved, raw)
+        return resolved
+
+    async def load_adapter(self, body: LoadLoRAAdapterRequest) -> str:
+        name = body.lora_name
+        self._check_name(name)
+        if name in self.adapters:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        lr = LoRARequest(name, next(self._lora_ids), str(self.confined_path(body.lora_path)))
+        adapters = self.llm.engine.adapters
+        try:
+            await asyncio.wrap_future(self.engine.call(lambda: adapters.prepare(lr)))
+        except (ValueError, FileNotFoundError, ImportError, OSError) as e:
+            raise APIError(400, f"could not load adapter {name!r}: {e}", param="lora_path") from e
+        if name in self.adapters:  # a concurrent load of the same name won
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        self.adapters[name] = lr
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
+        name = body.lora_name
+        if name not in self.adapters:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                           code="model_not_found")
+        del self.adapters[name]  # new requests get 404 from now on
+        adapters = self.llm.engine.adapters
+        # Running requests keep their slot (pinned); it is freed when the last one ends.
+        await asyncio.wrap_future(self.engine.call(lambda: adapters.unload(name)))
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    # ---- generation -----------------------------------------------------------------------------------
+
+    async def complete(self, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+        received = time.time()
+        chat = isinstance(req, ChatCompletionRequest)
+        lora = self.lora_for(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        if chat:
+            if req.top_logprobs is not None and not req.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+            num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            prompts = [chat_prompt(req, self.llm)]
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            field = "messages"
+        else:
+            for f in ("echo", "suffix"):
+                if getattr(req, f):
+                    raise APIError(400, f"{f} is not supported", param=f)
+            if req.best_of is not None and req.best_of != req.n:
+                raise APIError(400, "best_of other than n is not supported", param="best_of")
+            num_logprobs = req.logprobs
+            prompts = completion_prompts(req, self.llm.tokenizer)
+            max_tokens = req.max_tokens
+            field = "prompt"
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise APIError(400, f"max_tokens={max_tokens!r}: must be an int >= 1", param="max_tokens")
+        max_tokens = check_lengths(prompts, max_tokens, self.max_model_len, field)
+        params = sampling_params(req, max_tokens, num_logprobs)
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        fmt = Formatter(chat, req.model, req.n, self.llm.tokenizer, num_logprobs, include_usage,
+                        req.return_tokens_as_token_ids)
+        gen = Generation(self.engine, fmt.id, len(prompts), received)
+        await gen.start(prompts, params, lora)
+        if req.stream:
+            # The stream's finally aborts on a disconnect; the background close also covers a client
+            # that leaves before the first chunk (the generator never started, so no finally runs).
+            return StreamingResponse(self._stream(gen, fmt, len(prompts)), media_type="text/event-stream",
+                                     background=BackgroundTask(gen.close))
+        return await _unless_disconnected(request, self._whole(gen, fmt))
+
+    async def _whole(self, gen: Generation, fmt: Formatter) -> Response:
+        finals = {}
+        try:
+            async for u in gen.updates():
+                if u.finished:
+                    finals[u.index] = u
+        finally:
+            gen.close()
+        return JSONResponse(fmt.whole(finals))
+
+    async def _stream(self, gen: Generation, fmt: Formatter, num_prompts: int) -> AsyncIterator[str]:
+        try:  # the finally runs when the client disconnects (the response task is cancelled) too
+            for c in fmt.role_chunks(num_prompts):
+                yield c
+            async for u in gen.updates():
+                for c in fmt.update_chunks(u):
+                    yield c
+            for c in fmt.final_chunks():
+                yield c
+        finally:
+            gen.close()
+
+
+def _no_pickles(path: Path, raw: str) -> None:
+    """The server never unpickles: a PEFT directory must hold safetensors (or be a converted one)."""
+    if path.is_dir() and not (path / SAFETENSORS_FILE).is_file() and not (path / JLORA_ADAPTER_META).is_file():
+        raise APIError(400, f"lora_path {raw!r} has no {SAFETENSORS_FILE} (pickled adapter_model.bin files are "
+                            f"not loaded by the server; re-save with safetensors)", param="lora_path")
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Response:
+    """Run `work`; if the client disconnects first, cancel it (its finally aborts the engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=499)  # nobody is listening
+
+
+def _field_path(loc: tuple) -> str:
+    """'messages.0.content' from pydantic's loc, without 'body' and union-member tags like 'list[int]'."""
+    parts = [str(x) for x in loc if x != "body" and not (isinstance(x, str) and ("[" in x or x in _TYPE_TAGS))]
+    return ".".join(parts) or "body"
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ChatMessage", "StreamOptions"}
+
+
+# ---- auth ----------------------------------------------------------------------------------------------
+
+
+class _BearerAuth:
+    """Pure ASGI (no BaseHTTPMiddleware), so streaming responses and disconnects pass through untouched."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                resp = JSONResponse(error_body(401, "Invalid or missing API key (Authorization: Bearer <key>).",
+                                               code="invalid_api_key"), status_code=401)
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- the app -------------------------------------------------------------------------------------------
+
+
+def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = None, api_key: str | None = None,
+              enable_runtime_lora_updating: bool = False, lora_root: str | os.PathLike | None = None,
+              shutdown_grace_s: float = 0.0) -> FastAPI:
+    """The server for a warmed-up `LLM`. The engine thread starts and stops with the app's lifespan."""
+    server = OpenAIServer(llm, model_id, lora_modules, enable_runtime_lora_updating, lora_root, shutdown_grace_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.engine.start()
+        yield
+        await asyncio.to_thread(server.engine.stop, server.shutdown_grace_s)
+
+    app = FastAPI(title="jlora", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        if request.url.path in _GENERATION_PATHS and e.status < 500:
+            server.metrics.requests.labels(status="rejected").inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            ctx = errors[0].get("ctx") or {}
+            return await api_error(request, APIError(400, f"malformed JSON body: {ctx.get('error', errors[0]['msg'])}"))
+        by_field: dict[str, str] = {}  # one message per field (a union type yields one error per member)
+        for err in errors:
+            by_field.setdefault(_field_path(err.get("loc", ())), err.get("msg", "invalid"))
+        message = "; ".join(f"{f}: {m}" for f, m in by_field.items()) or "invalid request body"
+        return await api_error(request, APIError(400, message, param=next(iter(by_field), None)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if server.engine.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return server.models()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.complete(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.complete(body, request)
+
+    if enable_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            return PlainTextResponse(await server.load_adapter(body))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            return PlainTextResponse(await server.unload_adapter(body))
+
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
+    return app

@@ -1,0 +1,140 @@
+"""`jlora serve`: flags, engine start-up, and uvicorn with a clean SIGTERM (stop accepting, finish or abort, exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import os
+import signal
+import socket
+import threading
+from typing import Any, Iterator
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Server flags (the engine's shared flags come from jlora.cli's `_add_engine_args`)."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="host cache of converted adapters")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--served-model-name", default=None, help="the base model's id (default: --model, or the "
+                                                             "default model's name)")
+    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                   help="adapters served from the start, each as its own model (or JSON {\"name\", \"path\"})")
+    p.add_argument("--api-key", default=os.environ.get("JLORA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (env JLORA_API_KEY)")
+    p.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="add /v1/load_lora_adapter and /v1/unload_lora_adapter (paths confined to --lora-root)")
+    p.add_argument("--lora-root", default=None, help="directory every runtime-loaded adapter must lie in")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests get to finish before they are aborted")
+    p.add_argument("--log-level", default="info")
+
+
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """NAME=PATH items, or vLLM's JSON form {"name": ..., "path": ...}."""
+    out = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                obj = json.loads(item)
+                name, path, sep = obj["name"], obj["path"], "="
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--lora-modules: {item!r} is not {{\"name\": ..., \"path\": ...}}: {e}") from e
+        else:
+            name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules expects NAME=PATH, got {item!r}")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out
+
+
+def make_server(app: Any, host: str, port: int, shutdown_timeout: float = 30.0, log_level: str = "info") -> Any:
+    """A uvicorn.Server for `app` (uvicorn is imported here so the rest of the CLI does not need it).
+
+    On shutdown the engine thread of a `build_app` app gets `shutdown_timeout` seconds to finish
+    what runs, then aborts the rest, so every stream still ends with a final chunk and [DONE];
+    uvicorn's own cancellation of open responses is only a backstop after that.
+    """
+    import uvicorn
+
+    engine = getattr(getattr(app, "state", None), "server", None)
+    engine = getattr(engine, "engine", None)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            if engine is not None:
+                engine.begin_stop(shutdown_timeout)
+            await super().shutdown(sockets)
+
+        # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would end the
+        # process with -15; here SIGTERM/SIGINT only start that shutdown, so a clean stop exits 0.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=shutdown_timeout + 10.0, lifespan="on")
+    return Server(config)
+
+
+def bind(host: str, port: int = 0) -> socket.socket:
+    """A listening socket (port 0 = any free one), handed to uvicorn so the port is known before it starts."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def engine_kwargs(flags: dict[str, Any]) -> dict[str, Any]:
+    """LLM keyword arguments from parsed flags: the engine sizes, and whichever bucket flags exist.
+
+    Bucket flags (*_buckets, "1,8,...") are passed only when set and only if this engine's LLM takes
+    them, so the server follows the engine's flag set as it changes.
+    """
+    from jlora import LLM
+
+    accepted = inspect.signature(LLM).parameters
+    kw: dict[str, Any] = {}
+    for name, value in flags.items():
+        if name not in accepted or name == "model" or value is None:
+            continue
+        if name.endswith("_buckets"):
+            value = tuple(int(x) for x in str(value).split(","))
+        kw[name] = value
+    return kw
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    from jlora import LLM
+    from jlora.models.loading import DEFAULT_MODEL
+    from jlora.server.app import build_app
+
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if args.enable_runtime_lora_updating and not args.lora_root:
+        raise ValueError("--enable-runtime-lora-updating needs --lora-root (runtime paths are confined to it)")
+    llm = LLM(args.model, **engine_kwargs(vars(args)))
+    model_id = args.served_model_name or args.model or DEFAULT_MODEL
+    app = build_app(llm, model_id, lora_modules=lora_modules, api_key=args.api_key,
+                    enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_root=args.lora_root)
+    sock = bind(args.host, args.port)
+    print(f"jlora serve: {model_id} with adapters {sorted(lora_modules) or '[]'} on "
+          f"http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
+    server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,402 @@
+"""`jlora serve` over HTTP: a live uvicorn server on loopback, the real `openai` client, the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from jlora import LLM, SamplingParams, compile_stats
+from jlora.server.app import build_app
+from jlora.server.serve import bind, make_server
+
+# Only sizes every engine version takes (the tiny model compiles its graphs in a second or two).
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_loras=2, max_lora_rank=8,
+              token_buckets=(16, 32))
+KEY = "sk-test-key"
+ADAPTERS = [f"a{i}" for i in range(8)]  # served from the start; 8 adapters through 2 slots
+PROMPTS = ["Hello there", "Once upon a time", "1 2 3 4", "The quick brown fox", "Dear diary,", "In the beginning",
+           "Roses are red", "Knock knock"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Live:
+    """A running server and handles to its inside (engine calls go through the engine thread)."""
+
+    def __init__(self, llm, app, base_url: str):
+        self.llm, self.app, self.base_url = llm, app, base_url
+        self.srv = app.state.server
+        self.model_id = self.srv.model_id
+
+    def on_engine(self, fn, timeout: float = 60.0):
+        return self.srv.engine.call(fn).result(timeout)
+
+    def offline(self, prompts, model: str | None, max_tokens: int, chat: bool = False) -> list:
+        """LLM.generate / LLM.chat with the adapter's LoRARequest, run on the engine thread (greedy)."""
+        lora = self.srv.adapters.get(model) if model else None
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        if chat:
+            return self.on_engine(lambda: self.llm.chat(prompts, params, lora, use_tqdm=False))
+        return self.on_engine(lambda: self.llm.generate(prompts, params, lora, use_tqdm=False))
+
+    def client(self, key: str = KEY, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=key, max_retries=0, timeout=60,
+                             http_client=httpx.Client(trust_env=False), **kw)
+
+    def http(self, timeout: httpx.Timeout | float = 60) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=timeout,
+                            trust_env=False)
+
+
+@pytest.fixture(scope="module")
+def lora_root(tiny_adapters, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lora_root")
+    shutil.copytree(tiny_adapters[8], root / "good")
+    (root / "broken").mkdir()
+    (root / "broken" / "adapter_config.json").write_text("{not json")
+    (root / "broken" / "adapter_model.safetensors").write_bytes(b"\x00" * 16)
+    (root / "escape").symlink_to(tiny_adapters[9], target_is_directory=True)  # resolves outside the root
+    (root / "pickled").mkdir()
+    shutil.copy(tiny_adapters[10] / "adapter_config.json", root / "pickled")
+    (root / "pickled" / "adapter_model.bin").write_bytes(b"not loaded")
+    return root
+
+
+@pytest.fixture(scope="module")
+def live(tiny_dir, tiny_adapters, lora_root):
+    llm = LLM(str(tiny_dir[0]), progress=False, **ENGINE)
+    app = build_app(llm, "tiny", lora_modules={n: str(tiny_adapters[i]) for i, n in enumerate(ADAPTERS)},
+                    api_key=KEY, enable_runtime_lora_updating=True, lora_root=lora_root)
+    sock = bind("127.0.0.1", 0)
+    server = make_server(app, "127.0.0.1", 0, shutdown_timeout=5, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    yield Live(llm, app, f"http://127.0.0.1:{sock.getsockname()[1]}")
+    server.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_models_list(live):
+    models = {m.id: m.to_dict() for m in live.client().models.list().data}
+    assert list(models) == ["tiny"] + ADAPTERS
+    assert models["tiny"]["parent"] is None
+    for name in ADAPTERS:
+        assert models[name]["parent"] == "tiny"
+        assert models[name]["root"] == live.srv.adapters[name].lora_path
+
+
+@pytest.mark.parametrize("model", ["tiny", "a3"])
+def test_completion_stream_equals_whole_equals_offline(live, model):
+    client = live.client()
+    kw = dict(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0.0, logprobs=0,
+              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    whole = client.completions.create(**kw)
+    ref = live.offline([PROMPTS[0]], model if model != "tiny" else None, 12)[0]
+    tokens = [int(t.split(":")[1]) for t in whole.choices[0].logprobs.tokens]
+    assert tokens == ref.outputs[0].token_ids
+    assert whole.choices[0].text == ref.outputs[0].text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(ref.prompt_token_ids) and whole.usage.completion_tokens == 12
+
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [int(t.split(":")[1]) for c in chunks if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.tokens] == tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_several_prompts_and_n_samples_stream_and_whole(live):
+    client = live.client()
+    kw = dict(model="a4", prompt=PROMPTS[:2], max_tokens=6, temperature=0.0, n=2, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    refs = [o.outputs[0].text for o in live.offline(PROMPTS[:2], "a4", 6)]
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [refs[0], refs[0], refs[1], refs[1]]
+    assert whole.usage.completion_tokens == 24
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in whole.choices]
+
+
+def test_chat_stream_equals_whole_equals_offline(live):
+    client = live.client()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    kw = dict(model="a5", messages=messages, max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    ref = live.offline([messages], "a5", 10, chat=True)[0]
+    assert whole.choices[0].message.content == ref.outputs[0].text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    # chat logprobs and n > 1 with a seed
+    lp = client.chat.completions.create(**{**kw, "max_tokens": 3}, logprobs=True, top_logprobs=2)
+    assert len(lp.choices[0].logprobs.content) == 3
+    assert all(len(t.top_logprobs) == 2 for t in lp.choices[0].logprobs.content)
+    many = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, n=3, seed=7,
+                                          temperature=1.0)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+
+
+def test_64_concurrent_streams_over_8_adapters_through_2_slots(live):
+    jobs = [(PROMPTS[i % 8], ADAPTERS[(i // 8 + i) % 8]) for i in range(64)]  # every prompt x adapter pair
+    refs = {}
+    for name in ADAPTERS:  # offline, before the traffic: one batch per adapter
+        prompts = [p for p, a in jobs if a == name]
+        for p, out in zip(prompts, live.offline(prompts, name, 10)):
+            refs[(p, name)] = out.outputs[0].token_ids
+    compiles = compile_stats.compile_count()
+    stats_before = live.on_engine(lambda: dict(live.llm.engine.adapters.stats))
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, model: str) -> list[int]:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=10, temperature=0.0, stream=True, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        toks = []
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].logprobs:
+                toks += [int(t.split(":")[1]) for t in chunk.choices[0].logprobs.tokens]
+        return toks
+
+    async def run_all() -> list[list[int]]:
+        client = openai.AsyncOpenAI(base_url=live.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120,
+                                    http_client=httpx.AsyncClient(trust_env=False,
+                                                                  limits=httpx.Limits(max_connections=100)))
+        async with client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, p, a) for p, a in jobs)), timeout=150)
+
+    t0 = time.monotonic()
+    got = asyncio.run(run_all())
+    elapsed = time.monotonic() - t0
+    assert [g for g in got] == [refs[j] for j in jobs]
+    assert compile_stats.compile_count() == compiles
+    stats = live.on_engine(lambda: dict(live.llm.engine.adapters.stats))
+    assert stats.get("evictions", 0) > stats_before.get("evictions", 0)  # 8 adapters really cycled through 2 slots
+    assert live.on_engine(lambda: live.llm.engine.kv.num_free) == live.llm.config.num_kv_blocks
+    print(f"64 streams in {elapsed:.1f}s")
+
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_bad_requests_are_refused_and_the_others_carry_on(live, tiny_adapters):
+    http = live.http()
+    ok = {"model": "a1", "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    ref = live.offline([PROMPTS[1]], "a1", 40)[0].outputs[0].text
+    # A long request streams while the bad ones are refused.
+    with http.stream("POST", "/v1/completions", json={**ok, "stream": True}) as bystander:
+        err = _error(http.post("/v1/completions", json={**ok, "model": "nope"}), 404)
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        err = _error(http.post("/v1/completions", json={**ok, "temperature": -0.5}), 400)
+        assert err["param"] == "temperature" and "temperature" in err["message"]
+        err = _error(http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 1000}), 400)
+        assert err["param"] == "max_tokens"
+        err = _error(http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ',
+                               headers={"Content-Type": "application/json"}), 400)
+        assert "JSON" in err["message"]
+        err = _error(http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": "many"}), 400)
+        assert err["param"] == "max_tokens"
+        err = _error(http.post("/v1/chat/completions", json={"model": "tiny", "messages": []}), 400)
+        assert err["param"] == "messages"
+        err = _error(http.post("/v1/completions", json={**ok, "n": 0}), 400)
+        assert err["param"] == "n"
+        _error(http.post("/v1/completions", json=ok, headers={"Authorization": "Bearer wrong"}), 401)
+        _error(httpx.post(live.base_url + "/v1/models", trust_env=False), 401)  # no key at all
+        assert httpx.get(live.base_url + "/health", trust_env=False).status_code == 200  # no key needed
+        with pytest.raises(openai.AuthenticationError):
+            live.client(key="wrong").models.list()
+        with pytest.raises(openai.NotFoundError):
+            live.client().completions.create(model="nope", prompt="x")
+        with pytest.raises(openai.BadRequestError):
+            live.client().completions.create(model="tiny", prompt="x", temperature=-1)
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in bystander.iter_lines()
+                       if line.startswith("data: {"))
+    assert text == ref
+    assert live.client().completions.create(**{k: v for k, v in ok.items() if k != "ignore_eos"},
+                                            extra_body={"ignore_eos": True}).choices[0].text == ref
+
+
+def test_runtime_adapter_loading_is_confined_to_the_lora_root(live, lora_root, tiny_adapters):
+    http = live.http()
+
+    def load(name: str, path: str) -> httpx.Response:
+        return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+    for path in [str(tiny_adapters[9]), "../" + tiny_adapters[9].name, "good/../../" + lora_root.name + "x",
+                 "escape", str(lora_root / "escape"), "pickled", "missing", str(lora_root)]:
+        err = _error(load("x", path), 400)
+        assert err["param"] == "lora_path", (path, err)
+    err = _error(load("x", "broken"), 400)
+    assert "broken" in err["message"] or "malformed" in err["message"]
+    _error(load("../x", "good"), 400)  # names are plain too
+    assert "x" not in {m.id for m in live.client().models.list().data}
+
+    assert load("x", "good").status_code == 200
+    _error(load("x", "good"), 400)  # already loaded
+    card = next(m.to_dict() for m in live.client().models.list().data if m.id == "x")
+    assert card["parent"] == "tiny" and card["root"] == str(lora_root / "good")
+    ref = live.offline([PROMPTS[2]], "x", 60)[0].outputs[0].text
+    whole = live.client().completions.create(model="x", prompt=PROMPTS[2], max_tokens=60, temperature=0.0,
+                                             extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == ref
+
+    # Unloading lets a running request finish with its weights; new requests get 404.
+    with http.stream("POST", "/v1/completions", json={"model": "x", "prompt": PROMPTS[2], "max_tokens": 60,
+                                                      "temperature": 0.0, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
+        _error(http.post("/v1/completions", json={"model": "x", "prompt": "hi"}), 404)
+        rest = [line for line in lines if line.startswith("data: {")]
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in [first] + rest)
+    assert text == ref
+    _error(http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}), 404)
+    assert "x" not in {m.id for m in live.client().models.list().data}
+    assert live.on_engine(lambda: "x" not in live.llm.engine.adapters.resident().values())
+
+
+def _engine_idle(live) -> bool:
+    eng = live.llm.engine
+    return live.on_engine(lambda: eng.kv.num_free == eng.config.num_kv_blocks and not eng.requests
+                          and not eng.has_unfinished()
+                          and all(eng.adapters.pins(s) == 0 for s in range(live.llm.config.max_loras)
+                                  if hasattr(eng.adapters, "pins")))
+
+
+def _wait_idle(live, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not _engine_idle(live):
+        assert time.monotonic() < deadline, "the aborted request still holds resources"
+        time.sleep(0.05)
+
+
+def _metric(live, name: str) -> float:
+    text = live.http().get("/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_client_disconnect_aborts_and_frees_resources(live):
+    _wait_idle(live)
+    aborted = _metric(live, 'jlora_requests_total{status="abort"}')
+    body = {"model": "a6", "prompt": PROMPTS[3], "max_tokens": 120, "temperature": 0.0, "ignore_eos": True}
+    with live.http() as http:  # streaming: read one chunk, hang up
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: {"))
+    _wait_idle(live)
+    with live.http(timeout=httpx.Timeout(60, read=0.05)) as http:  # whole reply: give up waiting
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body)
+    _wait_idle(live)
+    deadline = time.monotonic() + 10
+    while _metric(live, 'jlora_requests_total{status="abort"}') < aborted + 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_metrics(live):
+    _error(httpx.get(live.base_url + "/metrics", trust_env=False), 401)
+    text = live.http().get("/metrics").text
+    for name in ["jlora_requests_total", "jlora_prompt_tokens_total", "jlora_generation_tokens_total",
+                 "jlora_time_to_first_token_seconds_bucket", "jlora_time_per_output_token_seconds_bucket",
+                 "jlora_num_requests_running", "jlora_num_requests_waiting", "jlora_kv_blocks_used",
+                 "jlora_lora_slot_hits_total", "jlora_lora_disk_loads_total", "jlora_lora_evictions_total",
+                 "jlora_num_preemptions_total", "jlora_xla_compiles_after_warmup_total"]:
+        assert f"\n{name}" in text, name
+    assert _metric(live, 'jlora_requests_total{status="length"}') >= 64
+    assert _metric(live, 'jlora_requests_total{status="rejected"}') >= 5
+    assert _metric(live, "jlora_xla_compiles_after_warmup_total") == 0
+    assert _metric(live, "jlora_lora_evictions_total") > 0
+
+
+def test_shutdown_deadline_aborts_running_streams_cleanly(live):
+    """What SIGTERM does once --shutdown-timeout has passed (runs last: it stops this module's engine)."""
+    with live.http() as http:
+        with http.stream("POST", "/v1/completions", json={"model": "a2", "prompt": PROMPTS[4], "max_tokens": 120,
+                                                          "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            live.srv.engine.begin_stop(0.0)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        deadline = time.monotonic() + 10
+        while live.srv.engine.alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        eng = live.llm.engine  # the engine thread is gone: safe to look from here
+        assert eng.kv.num_free == eng.config.num_kv_blocks and not eng.requests
+        assert http.get("/health").status_code == 503
+        err = _error(http.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}), 503)
+        assert "shutting down" in err["message"] or "not running" in err["message"]
+
+
+def test_cli_serve_sigterm_finishes_the_running_request_and_exits_0(tiny_dir, tiny_adapters):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jlora.cli", "serve", "--model", str(tiny_dir[0]), "--port", "0",
+           "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-loras", "2",
+           "--max-lora-rank", "8", "--token-buckets", "16,32",
+           "--lora-modules", f"ad={tiny_adapters[0]}", "--api-key", KEY, "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines: queue.Queue = queue.Queue()  # read in a thread, so a silent hang cannot block the test
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+        deadline = time.monotonic() + 120
+        url = None
+        while url is None:  # "jlora serve: ... on http://127.0.0.1:PORT/v1"
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            if line.startswith("jlora serve:"):
+                url = line.split(" on ")[-1].strip()
+        client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60,
+                               http_client=httpx.Client(trust_env=False))
+        assert [m.id for m in client.models.list().data] == [str(tiny_dir[0]), "ad"]
+        load = httpx.post(url + "/load_lora_adapter", json={"lora_name": "b", "lora_path": str(tiny_adapters[1])},
+                          headers={"Authorization": f"Bearer {KEY}"}, trust_env=False)
+        assert load.status_code == 404  # no runtime loading without --enable-runtime-lora-updating
+        stream = client.completions.create(model="ad", prompt="Hello", max_tokens=100, temperature=0.0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        proc.send_signal(signal.SIGTERM)  # mid-stream: the request is allowed to finish
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_flags_are_checked_before_the_model_loads(capsys):
+    from jlora.cli import main
+    from jlora.server.serve import parse_lora_modules
+
+    assert main(["serve", "--enable-runtime-lora-updating"]) == 2
+    assert "--lora-root" in capsys.readouterr().err
+    assert main(["serve", "--lora-modules", "no-equals-sign"]) == 2
+    assert parse_lora_modules(["a=x/y", '{"name": "b", "path": "/z"}']) == {"a": "x/y", "b": "/z"}
