@@ -113,3 +113,18 @@ def test_no_pytorch_banner_at_import(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "PyTorch was not found" not in out.stderr + out.stdout
+
+
+def test_llm_weights_cache_option_and_env(tiny_dir, tmp_path, monkeypatch):
+    from jlora import LLM
+
+    path, _ = tiny_dir
+    kw = dict(warmup=False, progress=False, use_compilation_cache=False, **SMALL)
+    root = tmp_path / "weights"
+    assert LLM(path, weights_cache=root, **kw).weights_cache_hit is False  # converted, then cached
+    second = LLM(path, weights_cache=root, **kw)
+    assert second.weights_cache_hit is True
+    assert second.startup_seconds.keys() >= {"load_weights", "tokenizer", "engine_init", "warmup"}
+    assert LLM(path, weights_cache=False, **kw).weights_cache_hit is None
+    monkeypatch.setenv("JLORA_WEIGHTS_CACHE", "0")
+    assert LLM(path, weights_cache=root, **kw).weights_cache_hit is None
