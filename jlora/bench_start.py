@@ -142,8 +142,10 @@ def kept_block(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jlora.cli import HelpFormatter
+
     p = argparse.ArgumentParser(prog="jlora bench start", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--lazy", action="store_true", help="also measure the lazy mode, LLM(warmup=False)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per start-up process")

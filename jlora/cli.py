@@ -21,7 +21,7 @@ class CLIError(ValueError):
     """A bad command line, already phrased in the CLI's words."""
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows `(default: X)`, except where there is nothing to show (a flag, or None = derived)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
@@ -57,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-weights-cache", action="store_true",
                    help="do not read or write the converted-weights cache (~/.cache/jlora/weights)")
     p.add_argument("-v", "--verbose", action="store_true", help="print start-up and generation timings to stderr")
+
+
+_add_engine_args = add_engine_args  # the old private name, for code written against it
 
 
 def _buckets(text: str | None, flag: str) -> tuple[int, ...] | None:
@@ -98,7 +101,8 @@ def make_llm(args: argparse.Namespace, kwargs: dict[str, Any] | None = None):
     from jlora import LLM
 
     kwargs = engine_kwargs(args) if kwargs is None else kwargs
-    return LLM(args.model, warmup=not args.lazy, weights_cache=not args.no_weights_cache, **kwargs)
+    return LLM(args.model, warmup=not getattr(args, "lazy", False),
+               weights_cache=not getattr(args, "no_weights_cache", False), **kwargs)
 
 
 def check_adapter(path: str, flag: str = "--lora") -> None:
@@ -243,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="generate text for prompts (streams to stdout)", formatter_class=_HelpFormatter)
+    g = sub.add_parser("generate", help="generate text for prompts (streams to stdout)", formatter_class=HelpFormatter)
     g.add_argument("prompt", nargs="+", help="one or more prompts, each generated in turn")
     add_engine_args(g)
     g.add_argument("--chat", action="store_true",
@@ -258,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
 
     d = sub.add_parser("demo", help="one batch mixing several adapters and the base model",
-                       formatter_class=_HelpFormatter)
+                       formatter_class=HelpFormatter)
     add_engine_args(d)
     d.add_argument("--max-tokens", type=int, default=24, help="tokens to generate per chat")
     d.set_defaults(fn=cmd_demo)

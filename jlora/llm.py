@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence as Seq
+from typing import Iterator, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +88,7 @@ class LLM:
             batch_buckets=batch_buckets, span_buckets=span_buckets, block_size=block_size,
             num_kv_blocks=num_kv_blocks)
         path = resolve_model_path(model)  # a missing model path fails here, before anything is read
+        t_checked = time.perf_counter()
         if use_compilation_cache:
             enable_compilation_cache(compilation_cache_dir)
         from jlora.models import weights_cache as wc
@@ -120,7 +121,7 @@ class LLM:
         t4 = time.perf_counter()
         # Where the start-up went, in seconds (`jlora bench start` reports these).
         self.startup_seconds: dict[str, float] = {
-            "validate": t1 - t0, "load_weights": t2 - t1, "tokenizer": t3 - t2, "engine_init": t4 - t3}
+            "validate": t_checked - t0, "imports": t1 - t_checked, "load_weights": t2 - t1, "tokenizer": t3 - t2, "engine_init": t4 - t3}
         if warmup:
             self.warmup()
         self.startup_seconds["warmup"] = time.perf_counter() - t4
