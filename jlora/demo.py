@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ DEMO_BATCH: list[tuple[str | None, str]] = [
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from jlora.cli import check_adapter, check_max_tokens, engine_kwargs, make_llm
+    from jlora.cli import check_adapter, check_max_tokens, engine_kwargs, make_llm, startup_summary
 
     # Everything that needs no model first: a bad flag or a missing adapter costs no compile.
     check_max_tokens(args.max_tokens)
@@ -42,6 +43,8 @@ def run_demo(args: argparse.Namespace) -> int:
     llm = make_llm(args, kwargs)
     print(f"loaded and {'set up (lazy: graphs compile on first use)' if args.lazy else 'warmed up'} "
           f"in {time.time() - t0:.1f}s")
+    if args.verbose:
+        print(f"[jlora demo: {startup_summary(llm, time.time() - t0)}]", file=sys.stderr)
     conversations = [[{"role": "user", "content": msg}] for _, msg in DEMO_BATCH]
     loras = [requests[name] if name else None for name, _ in DEMO_BATCH]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
