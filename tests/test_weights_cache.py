@@ -135,3 +135,24 @@ def test_hash_memo_is_keyed_by_size_and_mtime(tmp_path):
     f.write_bytes(b"b" * 100)
     os.utime(f, ns=(1, 1))  # a new mtime, as any edit gives
     assert wc.file_sha256(f, root) != h1
+
+
+@pytest.mark.slow
+def test_default_gguf_cached_equals_dequantized(tmp_path):
+    """The real Q4_1 GGUF: the cached tensors are the dequantized ones, bit for bit; the tokenizer metadata
+    a cache hit reads from the file's head equals what the full reader returns."""
+    from jlora.models.loading import _read_tensors, default_model_path, read_gguf
+    from jlora.tokenizer import read_gguf_fields
+
+    path = default_model_path()
+    cfg, ref, fields = read_gguf(path)
+    root = tmp_path / "weights"
+    cfg1, miss, hit1 = wc.cached_read(path, np.float32, _read_tensors, root)
+    cfg2, hit, hit2 = wc.cached_read(path, np.float32, _read_tensors, root)
+    assert (hit1, hit2) == (False, True) and cfg1 == cfg2 == cfg
+    assert sorted(hit) == sorted(ref)
+    for k in ref:
+        assert hit[k].dtype == np.float32 and np.array_equal(hit[k], ref[k]), k
+    head = read_gguf_fields(path)
+    assert {k: v for k, v in fields.items() if k.startswith("tokenizer.")} == \
+        {k: v for k, v in head.items() if k.startswith("tokenizer.")}
