@@ -1,16 +1,27 @@
 """jlora: many LoRA adapters over one Llama-family model, in pure JAX/Flax."""
 
-from jlora.adapters.request import LoRARequest
-from jlora.outputs import CompletionOutput, RequestOutput
-from jlora.sampling import SamplingParams
+from importlib import metadata as _metadata
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
+try:
+    __version__ = _metadata.version("jlora")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+# Loaded on first use: SamplingParams and LLM pull in JAX, and `jlora --help`, `jlora --version` or
+# `import jlora.defaults` should not pay for it.
+_LAZY = {"LLM": "jlora.llm", "LoRARequest": "jlora.adapters.request", "SamplingParams": "jlora.sampling",
+         "RequestOutput": "jlora.outputs", "CompletionOutput": "jlora.outputs"}
 
 
 def __getattr__(name: str):
-    # The engine pulls in the whole runtime; `import jlora.models` alone should stay light.
-    if name == "LLM":
-        from jlora.llm import LLM
+    if name in _LAZY:
+        import importlib
 
-        return LLM
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'jlora' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

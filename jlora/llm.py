@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
@@ -12,9 +13,9 @@ from tqdm.auto import tqdm
 
 from jlora import compile_stats
 from jlora.adapters.request import LoRARequest
-from jlora.engine.config import EngineConfig
+from jlora.defaults import ENGINE_DEFAULTS, engine_config
 from jlora.engine.core import LLMEngine
-from jlora.models.loading import load_model
+from jlora.models.loading import load_model, resolve_model_path
 from jlora.outputs import RequestOutput
 from jlora.sampling import SamplingParams
 
@@ -31,54 +32,98 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def weights_cache_dir(compilation_cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where converted weights are cached: a `weights` sibling of the compile cache directory."""
+    if compilation_cache_dir is not None and not os.environ.get("JLORA_WEIGHTS_CACHE_DIR"):
+        return Path(compilation_cache_dir).parent / "weights"
+    from jlora.models.weights_cache import default_cache_dir
+
+    return default_cache_dir()
+
+
 class LLM:
+    """A model, its tokenizer and an engine; `generate`, `generate_stream` and `chat` as in vLLM.
+
+    Everything checkable from the arguments alone (dtype, engine sizes, buckets, lora_impl, the model
+    path) is checked before any weights are read or graphs compiled. The size defaults are
+    `EngineConfig`'s (`ENGINE_DEFAULTS`), shared with the CLI.
+
+    warmup=True (eager, the default) compiles every graph before returning, so no request waits for a
+    compile. warmup=False is the lazy mode: each graph compiles the first time a batch needs it (and
+    shows in `compile_report()` under its stage), so a one-off call that needs few graphs starts sooner.
+
+    weights_cache=True keeps the converted (dequantized) weights on disk, keyed by the source file's
+    contents, so a second start does not dequantize the GGUF again (`jlora.models.weights_cache`);
+    False turns it off (so does JLORA_WEIGHTS_CACHE=0); a path puts the cache there.
+    """
+
     def __init__(
         self,
         model: str | os.PathLike | None = None,
         *,
         dtype: str = "float32",
-        max_model_len: int = 2048,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
-        max_loras: int = 4,
-        max_lora_rank: int = 64,
+        max_model_len: int = ENGINE_DEFAULTS["max_model_len"],
+        max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"],
+        max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"],
+        max_loras: int = ENGINE_DEFAULTS["max_loras"],
+        max_lora_rank: int = ENGINE_DEFAULTS["max_lora_rank"],
         max_cpu_loras: int | None = None,
-        lora_impl: str = "auto",
-        token_buckets: tuple[int, ...] | None = None,
-        attn_chunk: int = 128,
-        block_size: int = 16,
+        lora_impl: str = ENGINE_DEFAULTS["lora_impl"],
+        token_buckets: Seq[int] | None = None,
+        attn_chunk: int = ENGINE_DEFAULTS["attn_chunk"],
+        block_size: int = ENGINE_DEFAULTS["block_size"],
         num_kv_blocks: int | None = None,
         warmup: bool = True,
         compilation_cache_dir: str | os.PathLike | None = None,
         use_compilation_cache: bool = True,
+        weights_cache: bool | str | os.PathLike = True,
         progress: bool = True,
     ):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        t0 = time.perf_counter()
+        self.config = engine_config(
+            dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, token_buckets=token_buckets,
+            attn_chunk=attn_chunk, block_size=block_size,
+            num_kv_blocks=num_kv_blocks)
+        path = resolve_model_path(model)  # a missing model path fails here, before anything is read
+        t_checked = time.perf_counter()
         if use_compilation_cache:
             enable_compilation_cache(compilation_cache_dir)
+        from jlora.models import weights_cache as wc
         from jlora.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
-        self.model, self.model_path, fields = load_model(model, _DTYPES[dtype])
+        if not wc.cache_enabled():
+            weights_cache = False
+        elif weights_cache is True and compilation_cache_dir is not None:
+            weights_cache = weights_cache_dir(compilation_cache_dir)
+        hits, misses = wc.stats["hits"], wc.stats["misses"]
+        t1 = time.perf_counter()
+        self.model, self.model_path, fields = load_model(path, _DTYPES[dtype], weights_cache=weights_cache)
+        # True: read from the weights cache; False: converted (and cached); None: cache off or not needed.
+        self.weights_cache_hit: bool | None = (
+            True if wc.stats["hits"] > hits else False if wc.stats["misses"] > misses else None)
         cfg = self.model.cfg
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
+        t2 = time.perf_counter()
         if self.model_path.is_file():
             self.tokenizer = load_gguf_tokenizer(self.model_path, fields)
         else:
             self.tokenizer = load_hf_tokenizer(self.model_path)
-        self.config = EngineConfig(
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_loras=max_loras, max_lora_rank=max_lora_rank,
-            max_cpu_loras=max_cpu_loras or max(4 * max_loras, 8), lora_impl=lora_impl,
-            token_buckets=token_buckets, attn_chunk=attn_chunk, block_size=block_size, num_kv_blocks=num_kv_blocks)
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else cfg.eos_token_id
+        t3 = time.perf_counter()
         with compile_stats.stage("init"):  # the zero-filled KV cache and adapter slots
             self.engine = LLMEngine(self.model, self.tokenizer, self.config, eos)
         self.progress = progress
+        t4 = time.perf_counter()
+        # Where the start-up went, in seconds (`jlora bench start` reports these).
+        self.startup_seconds: dict[str, float] = {
+            "validate": t_checked - t0, "imports": t1 - t_checked, "load_weights": t2 - t1, "tokenizer": t3 - t2, "engine_init": t4 - t3}
         if warmup:
             self.warmup()
+        self.startup_seconds["warmup"] = time.perf_counter() - t4
 
     def warmup(self) -> None:
         with compile_stats.stage("set_slot"):

@@ -22,7 +22,17 @@ from typing import Any
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
-from transformers import PreTrainedTokenizerFast
+
+
+class _NoTorchBanner(logging.Filter):
+    """transformers warns "PyTorch was not found" on import; jlora needs only its tokenizer classes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+logging.getLogger("transformers").addFilter(_NoTorchBanner())  # that logger alone: its other warnings stay
+from transformers import PreTrainedTokenizerFast  # noqa: E402  (after the filter, which must come first)
 
 logger = logging.getLogger(__name__)
 

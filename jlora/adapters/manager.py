@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jlora import compile_stats
 from jlora.adapters.peft import (
     ADAPTER_CONFIG, BIN_FILE, JLORA_ADAPTER_META, SAFETENSORS_FILE, LoRAAdapter, read_adapter,
 )
@@ -445,5 +446,6 @@ class AdapterManager:
     def _write(self, slot: int, update: dict[str, dict[str, np.ndarray]] | None) -> None:
         if update is None:
             update = padded_update(None, self.model_cfg, self.max_lora_rank, self.modules, self.dtype)
-        self.lora_state = set_slot(self.lora_state, slot, update)
+        with compile_stats.stage("set_slot"):  # so a lazy first compile is reported under its stage too
+            self.lora_state = set_slot(self.lora_state, slot, update)
         self.stats["slot_writes"] += 1

@@ -35,11 +35,12 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from jlora.models.config import LlamaConfig
+if TYPE_CHECKING:  # only in annotations: `check_adapter_dir` must not import the model (Flax)
+    from jlora.models.config import LlamaConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
@@ -160,6 +161,27 @@ def _read_json_object(file: Path) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ValueError(f"malformed {file}: expected a JSON object, got {type(obj).__name__}")
     return obj
+
+
+def check_adapter_dir(path: str | Path) -> None:
+    """Everything about an adapter directory that needs no base model: it exists, its config parses and
+    asks only for what jlora serves, and its weights file is there. FileNotFoundError / ValueError if not.
+
+    Cheap (no tensors read, no JAX), so a CLI or server can reject a bad adapter before loading a model.
+    """
+    path = Path(path)
+    if is_jlora_adapter_dir(path):
+        meta_file = path / JLORA_ADAPTER_META
+        meta = _read_json_object(meta_file)
+        if meta.get("format") != JLORA_ADAPTER_FORMAT or meta.get("version") != JLORA_ADAPTER_VERSION:
+            raise ValueError(f"{meta_file}: format={meta.get('format')!r} version={meta.get('version')!r}; this "
+                             f"jlora reads {JLORA_ADAPTER_FORMAT!r} version {JLORA_ADAPTER_VERSION}")
+        if not (path / "weights").is_dir():
+            raise FileNotFoundError(f"no orbax 'weights' checkpoint in {str(path)!r}")
+        return
+    _check_config(read_peft_config(path), str(path / ADAPTER_CONFIG))
+    if not (path / SAFETENSORS_FILE).is_file() and not (path / BIN_FILE).is_file():
+        raise FileNotFoundError(f"no {SAFETENSORS_FILE} (or {BIN_FILE}) in adapter directory {str(path)!r}")
 
 
 def read_peft_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], Path]:

@@ -19,9 +19,10 @@ def geometric_buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine sizes. Every step is one graph keyed only by its prefill chunk bucket (`token_buckets`,
-    plus 0 for a decode-only step): the decode rows are always `max_num_seqs` and attention loops
-    over the keys it needs, so no graph is keyed by batch size or span."""
+    """Engine sizes. Every step is one graph keyed only by the shape of its prefill part
+    (`prefill_shapes()`: sequences x chunk length, or none for a decode-only step): the decode rows
+    are always `max_num_seqs` and attention loops over the keys it needs, so no graph is keyed by
+    batch size or span."""
 
     max_model_len: int = 2048  # prompt + generated tokens per sequence
     max_num_seqs: int = 16  # sequences running at once: the decode rows of every step
@@ -32,7 +33,7 @@ class EngineConfig:
     lora_impl: str = "auto"
     block_size: int = 16  # KV cache positions per block
     num_kv_blocks: int | None = None  # KV capacity; None = max_num_seqs full-length sequences
-    token_buckets: tuple[int, ...] | None = None  # prefill chunk lengths; None = 32, 64, ... up to the chunk
+    token_buckets: tuple[int, ...] | None = None  # prefill chunk lengths; None = 32, 128, ... (x4) up to the chunk
     attn_chunk: int = 128  # key positions attention reads per loop iteration
 
     def __post_init__(self) -> None:
@@ -50,7 +51,7 @@ class EngineConfig:
                              f"blocks of {self.block_size}")
         chunk = min(self.max_num_batched_tokens, self.max_model_len)
         if self.token_buckets is None:
-            object.__setattr__(self, "token_buckets", geometric_buckets(min(32, chunk), chunk, factor=2))
+            object.__setattr__(self, "token_buckets", geometric_buckets(min(32, chunk), chunk, factor=4))
         b = tuple(self.token_buckets)
         object.__setattr__(self, "token_buckets", b)
         if list(b) != sorted(set(b)) or b[-1] != chunk or b[0] < 1 or not all(isinstance(x, int) for x in b):
@@ -72,9 +73,19 @@ class EngineConfig:
     def blocks_per_seq(self) -> int:  # width of a block table
         return self.blocks_for(self.max_model_len)
 
-    def step_shapes(self) -> tuple[int, ...]:
-        """Prefill tokens of every step graph: 0 (decode only) and each chunk bucket."""
-        return (0,) + self.token_buckets
+    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(sequences, chunk length) of every prefill part a step can carry: one sequence at each
+        chunk bucket, and as many sequences as fit the token budget at each bucket below it (a
+        burst of short prompts goes in one step)."""
+        shapes = []
+        for q in self.token_buckets:
+            p = min(self.max_num_seqs, max(1, self.max_num_batched_tokens // q))
+            shapes += [(p, q), (1, q)] if p > 1 else [(1, q)]
+        return tuple(shapes)
+
+    def step_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every step graph's prefill part: (0, 0) for decode-only steps, then `prefill_shapes()`."""
+        return ((0, 0),) + self.prefill_shapes()
 
     @property
     def num_step_graphs(self) -> int:

@@ -28,6 +28,8 @@ from jlora.engine.sequence import Request, Sequence, SeqState
 from jlora.outputs import RequestOutput
 from jlora.sampling import SamplingParams, SamplingRow, build_sampling_batch
 
+STEP_COST_TOKENS = 64  # a step's weight pass costs about as much as this many tokens' compute (SmolLM2, 2 cores)
+
 
 class LLMEngine:
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, eos_token_id: int | None):
@@ -188,14 +190,12 @@ class LLMEngine:
         self._reserve_decode_blocks()  # running sequences first: admission gets what is left
         self._admit()
         decoding = [s for s in self.running if s.state is SeqState.DECODE]
-        prefilling = next((s for s in self.running if s.state is SeqState.PREFILL), None)
-        if not decoding and prefilling is None:
+        prefilling = [s for s in self.running if s.state is SeqState.PREFILL]
+        if not decoding and not prefilling:
             return []
-        c, r = self.config, self.runner.num_rows
-        chunk = []
-        if prefilling is not None:
-            chunk = prefilling.all_ids[prefilling.num_computed: prefilling.num_computed + c.prefill_chunk]
-        batch = self.runner.empty_batch(bucket_for(len(chunk), c.token_buckets) if chunk else 0)
+        c = self.config
+        shape, chunks = self._choose_prefill(prefilling)
+        batch = self.runner.empty_batch(shape)
         rows: dict[int, Sequence] = {}
         for s in decoding:
             batch["tokens"][s.row] = s.output_ids[-1]
@@ -203,23 +203,39 @@ class LLMEngine:
             batch["dec_positions"][s.row] = s.total_len - 1
             batch["dec_tables"][s.row, : len(s.blocks)] = s.blocks
             rows[s.row] = s
-        if chunk:
-            n, start = len(chunk), prefilling.num_computed
-            batch["tokens"][r: r + n] = chunk
-            batch["slot_ids"][r: r + n] = prefilling.slot
-            batch["pre_positions"][:n] = np.arange(start, start + n)
-            batch["pre_table"][: len(prefilling.blocks)] = prefilling.blocks
-            batch["sample_index"][r] = r + n - 1
-            prefilling.num_computed += n
-            if prefilling.num_computed == prefilling.total_len:  # the prompt is in: sample its first token
-                rows[r] = prefilling
+        r, q = self.runner.num_rows, shape[1]
+        for i, s in enumerate(chunks):
+            n, start, at = min(q, s.total_len - s.num_computed), s.num_computed, r + i * q
+            batch["tokens"][at: at + n] = s.all_ids[start: start + n]
+            batch["slot_ids"][at: at + n] = s.slot
+            batch["pre_positions"][i, :n] = np.arange(start, start + n)
+            batch["pre_tables"][i, : len(s.blocks)] = s.blocks
+            s.num_computed += n
+            if s.num_computed == s.total_len:  # the prompt is in: its row samples the first token
+                batch["sample_index"][s.row] = at + n - 1
+                rows[s.row] = s
         batch["sampling"] = build_sampling_batch(
             {i: SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_ids, self.eos_token_id)
-             for i, s in rows.items()}, r + 1, c.max_model_len)
+             for i, s in rows.items()}, r, c.max_model_len)
         out = self.runner.step(self.adapters.lora_state, batch)
         touched: dict[str, Request] = {}
         self._append_sampled(out, rows, touched)
         return [req.to_output() for req in touched.values()]
+
+    def _choose_prefill(self, seqs: list[Sequence]) -> tuple[tuple[int, int], list[Sequence]]:
+        """The prefill shape (P sequences x Q tokens) and the sequences (oldest first) that waste
+        the least: prompt tokens carried per token computed, counting the decode rows and the weight
+        pass every step pays (about STEP_COST_TOKENS tokens of compute on a 2-core CPU)."""
+        if not seqs:
+            return (0, 0), []
+        best = None
+        for p, q in self.config.prefill_shapes():
+            take = seqs[:p]
+            useful = sum(min(q, s.total_len - s.num_computed) for s in take)
+            key = useful / (p * q + self.runner.num_rows + STEP_COST_TOKENS)
+            if best is None or key > best[0]:
+                best = (key, (p, q), take)
+        return best[1], best[2]
 
     def _append_sampled(self, out: dict[str, np.ndarray], seqs_by_row: dict[int, Sequence], touched) -> None:
         now = time.time()

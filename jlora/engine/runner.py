@@ -1,8 +1,9 @@
 """ModelRunner: owns the device state (weights, paged KV cache) and the one jitted step.
 
 A step is one device call: the running sequences' decode tokens (always `max_num_seqs` rows,
-padding where a row is free) and at most one prefill chunk, packed into one token axis, go through
-the model together (every weight read once), and the sampler runs in the same graph. Host and
+padding where a row is free) and a prefill part (P sequences x Q chunk tokens, one of
+`EngineConfig.prefill_shapes()`), packed into one token axis, go through the model together (every
+weight read once), and the sampler runs in the same graph. Host and
 device meet once each way: the scheduler's NumPy arrays go over in one transfer, and only the
 sampled tokens (and logprobs) come back.
 """
@@ -37,7 +38,7 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         groups = [AttnGroup(batch["dec_positions"][:, None], batch["dec_tables"])]
         if batch["pre_positions"].shape[0]:
-            groups.append(AttnGroup(batch["pre_positions"][None], batch["pre_table"][None]))
+            groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"]))
         hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
                                       lora_impl=lora_impl, attn_chunk=attn_chunk)
         logits = model.logits(hidden[batch["sample_index"]])
@@ -51,23 +52,25 @@ class ModelRunner:
     def num_rows(self) -> int:
         return self.config.max_num_seqs
 
-    def empty_batch(self, prefill_tokens: int) -> dict[str, Any]:
+    def empty_batch(self, shape: tuple[int, int]) -> dict[str, Any]:
         """Host arrays for one step with every row and token padding; the scheduler fills them in.
 
-        tokens / slot_ids [R + P]: the R decode rows first, then the P prefill tokens;
-        dec_positions [R], dec_tables [R, MB]; pre_positions [P], pre_table [MB];
-        sample_index [R + 1]: the token each sampled row reads (row R: the prefill's last token).
+        shape (P, Q): the prefill part, P sequences of Q chunk tokens ((0, 0): decode only).
+        tokens / slot_ids [R + P*Q]: the R decode rows first, then the prefill rows;
+        dec_positions [R], dec_tables [R, MB]; pre_positions [P, Q], pre_tables [P, MB];
+        sample_index [R]: the token each row samples from (its decode token, or the last prompt
+        token of a prefill that completes in this step).
         """
-        c, r, p = self.config, self.num_rows, prefill_tokens
+        c, r, (p, q) = self.config, self.num_rows, shape
         return dict(
-            tokens=np.zeros((r + p,), np.int32), slot_ids=np.full((r + p,), -1, np.int32),
+            tokens=np.zeros((r + p * q,), np.int32), slot_ids=np.full((r + p * q,), -1, np.int32),
             dec_positions=np.full((r,), -1, np.int32), dec_tables=np.zeros((r, c.blocks_per_seq), np.int32),
-            pre_positions=np.full((p,), -1, np.int32), pre_table=np.zeros((c.blocks_per_seq,), np.int32),
-            sample_index=np.concatenate([np.arange(r), [r if p else 0]]).astype(np.int32),
-            sampling=build_sampling_batch({}, r + 1, c.max_model_len))
+            pre_positions=np.full((p, q), -1, np.int32), pre_tables=np.zeros((p, c.blocks_per_seq), np.int32),
+            sample_index=np.arange(r, dtype=np.int32),
+            sampling=build_sampling_batch({}, r, c.max_model_len))
 
     def step(self, lora_state: LoRAState | None, batch: dict[str, Any]) -> dict[str, np.ndarray]:
-        """Runs one step; returns the sampled tokens i32[R + 1] (and logprob arrays) on the host."""
+        """Runs one step; returns the sampled tokens i32[R] (and logprob arrays) on the host."""
         dev = jax.device_put(batch)  # one transfer
         with compile_stats.stage("step"):
             out, self.cache = self._step(self._weights, lora_state, self.cache, dev,
@@ -77,6 +80,6 @@ class ModelRunner:
     def warmup(self, lora_state: LoRAState | None, progress: bool = True) -> None:
         """Compile every step graph once (all padding: nothing is written), before the first request."""
         shapes = self.config.step_shapes()
-        for p in tqdm(shapes, desc="jlora warm-up (compiling step graphs)", disable=not progress):
-            self.step(lora_state, self.empty_batch(p))
+        for shape in tqdm(shapes, desc="jlora warm-up (compiling step graphs)", disable=not progress):
+            self.step(lora_state, self.empty_batch(shape))
         jax.block_until_ready(self.cache)

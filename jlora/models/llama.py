@@ -92,11 +92,13 @@ def lora_linear(
     lora: dict[str, jax.Array] | None,  # {"A": [N, in, R], "B": [N, R, out]} or None
     slot_ids: jax.Array,  # i32[T]
     lora_impl: str,
+    enabled: jax.Array | None = None,  # bool scalar: False skips the LoRA term (no token has an adapter)
 ) -> jax.Array:  # [T, out]
     y = x @ kernel
     if lora is None:
         return y
-    return y + lora_delta(x, lora["A"], lora["B"], slot_ids, impl=lora_impl).astype(y.dtype)
+    with_delta = lambda: y + lora_delta(x, lora["A"], lora["B"], slot_ids, impl=lora_impl).astype(y.dtype)  # noqa: E731
+    return with_delta() if enabled is None else jax.lax.cond(enabled, with_delta, lambda: y)
 
 
 class LoRALinear(nnx.Module):
@@ -227,14 +229,21 @@ class Llama(nnx.Module):
         offset = jnp.maximum(positions, 0) % bs
         eps = cfg.rms_norm_eps
 
+        # A batch with no adapter token skips the LoRA math (and reading the slots) in every layer.
+        any_lora = jnp.any(slot_ids >= 0)
+
         def layer(carry, xs):
             x, ck, cv = carry
             w, lora, i = xs
             get = (lambda m: lora.get(m)) if lora is not None else (lambda m: None)  # noqa: E731
+
+            def linear(h: jax.Array, name: str) -> jax.Array:
+                return lora_linear(h, w[name], get(name), slot_ids, lora_impl, enabled=any_lora)
+
             y = rms_norm(x, w["input_layernorm"], eps)
-            q = lora_linear(y, w["q_proj"], get("q_proj"), slot_ids, lora_impl).reshape(-1, h, dh)
-            k = lora_linear(y, w["k_proj"], get("k_proj"), slot_ids, lora_impl).reshape(-1, kvh, dh)
-            v = lora_linear(y, w["v_proj"], get("v_proj"), slot_ids, lora_impl).reshape(-1, kvh, dh)
+            q = linear(y, "q_proj").reshape(-1, h, dh)
+            k = linear(y, "k_proj").reshape(-1, kvh, dh)
+            v = linear(y, "v_proj").reshape(-1, kvh, dh)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             ck = ck.at[i, block, offset].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[i, block, offset].set(v.astype(cv.dtype), mode="drop")
@@ -245,11 +254,11 @@ class Llama(nnx.Module):
                 outs.append(paged_attention(qg, g, ck, cv, i, chunk).reshape(b * nq, h * dh))
                 start += b * nq
             attn = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-            x = x + lora_linear(attn.astype(x.dtype), w["o_proj"], get("o_proj"), slot_ids, lora_impl)
+            x = x + linear(attn.astype(x.dtype), "o_proj")
             y = rms_norm(x, w["post_attention_layernorm"], eps)
-            gate = lora_linear(y, w["gate_proj"], get("gate_proj"), slot_ids, lora_impl)
-            up = lora_linear(y, w["up_proj"], get("up_proj"), slot_ids, lora_impl)
-            x = x + lora_linear(jax.nn.silu(gate) * up, w["down_proj"], get("down_proj"), slot_ids, lora_impl)
+            gate = linear(y, "gate_proj")
+            up = linear(y, "up_proj")
+            x = x + linear(jax.nn.silu(gate) * up, "down_proj")
             return (x, ck, cv), None
 
         x = self.embed_tokens[...][tokens]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -192,21 +193,42 @@ def build_model(cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = j
     return model
 
 
-def load_model(model: str | Path | None = None, dtype: Any = jnp.float32) -> tuple[Llama, Path, dict[str, Any]]:
+def load_model(
+    model: str | Path | None = None,
+    dtype: Any = jnp.float32,
+    weights_cache: bool | str | os.PathLike = False,
+) -> tuple[Llama, Path, dict[str, Any]]:
     """Model from a GGUF file, an HF checkpoint directory, or an orbax directory saved by `save_model`.
 
+    `weights_cache`: True (the default directory) or a directory keeps the converted weights on disk
+    (`jlora.models.weights_cache`), so the next load of the same file skips GGUF dequantization.
     Returns (model, resolved path, GGUF metadata fields or {}).
     """
     path = resolve_model_path(model)
+    if (path / "jlora_model.json").is_file():
+        return restore_model(path, dtype), path, {}
+    if not path.is_file() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} holds neither a GGUF file, a config.json checkpoint nor a jlora checkpoint")
+    if weights_cache:
+        from jlora.models import weights_cache as wc
+        from jlora.tokenizer import read_gguf_fields
+
+        root = None if weights_cache is True else Path(weights_cache)
+        cfg, tensors, _ = wc.cached_read(path, dtype, _read_tensors, root)
+        # The tokenizer needs only the metadata, which this reader takes from the file's head in ~0.1 s.
+        return build_model(cfg, tensors, dtype), path, read_gguf_fields(path) if path.is_file() else {}
     if path.is_file():
         cfg, tensors, fields = read_gguf(path)
         return build_model(cfg, tensors, dtype), path, fields
-    if (path / "jlora_model.json").is_file():
-        return restore_model(path, dtype), path, {}
-    if (path / "config.json").is_file():
-        cfg, tensors = read_hf_checkpoint(path)
-        return build_model(cfg, tensors, dtype), path, {}
-    raise FileNotFoundError(f"{path} holds neither a GGUF file, a config.json checkpoint nor a jlora checkpoint")
+    cfg, tensors = read_hf_checkpoint(path)
+    return build_model(cfg, tensors, dtype), path, {}
+
+
+def _read_tensors(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    if path.is_file():
+        cfg, tensors, _ = read_gguf(path)
+        return cfg, tensors
+    return read_hf_checkpoint(path)
 
 
 # ---- orbax save / restore -----------------------------------------------------------------------

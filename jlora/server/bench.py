@@ -126,8 +126,6 @@ def main(argv: list[str] | None = None) -> int:
                                                              "take turns)")
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--token-buckets", default="32,256")
-    p.add_argument("--batch-buckets", default=None, help="if this engine has them (comma-separated)")
-    p.add_argument("--span-buckets", default=None, help="if this engine has them (comma-separated)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 

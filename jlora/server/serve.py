@@ -17,7 +17,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     """Server flags (the engine's shared flags come from jlora.cli's `_add_engine_args`)."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-cpu-loras", type=int, default=None, help="host cache of converted adapters")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--served-model-name", default=None, help="the base model's id (default: --model, or the "
@@ -102,11 +101,7 @@ def bind(host: str, port: int = 0) -> socket.socket:
 
 
 def engine_kwargs(flags: dict[str, Any]) -> dict[str, Any]:
-    """LLM keyword arguments from parsed flags: the engine sizes, and whichever bucket flags exist.
-
-    Bucket flags (*_buckets, "1,8,...") are passed only when set and only if this engine's LLM takes
-    them, so the server follows the engine's flag set as it changes.
-    """
+    """LLM keyword arguments from parsed flags: those `LLM` takes, bucket flags ("32,64,...") as tuples."""
     from jlora import LLM
 
     accepted = inspect.signature(LLM).parameters
@@ -128,7 +123,9 @@ def serve_main(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     if args.enable_runtime_lora_updating and not args.lora_root:
         raise ValueError("--enable-runtime-lora-updating needs --lora-root (runtime paths are confined to it)")
-    llm = LLM(args.model, **engine_kwargs(vars(args)))
+    kwargs = engine_kwargs(vars(args))
+    kwargs.update(warmup=not getattr(args, "lazy", False), weights_cache=not getattr(args, "no_weights_cache", False))
+    llm = LLM(args.model, **kwargs)
     model_id = args.served_model_name or args.model or DEFAULT_MODEL
     app = build_app(llm, model_id, lora_modules=lora_modules, api_key=args.api_key,
                     enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_root=args.lora_root)

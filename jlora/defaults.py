@@ -1,0 +1,46 @@
+"""The engine sizes' single source, and the checks `LLM(...)` arguments get before any model is loaded.
+
+`LLM()`, `jlora generate`, `jlora demo` and `jlora serve` all default to `EngineConfig`'s field
+defaults, so one persistent compile cache serves them all: other sizes are other graphs, compiled again.
+Light to import (no JAX), so the CLI can show these in `--help` and check arguments in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence as Seq
+
+from jlora.engine.config import EngineConfig
+
+ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+DTYPES = ("float32", "bfloat16", "float16")
+LORA_IMPLS = ("auto", "gather", "laned", "grouped", "pallas")  # jlora.kernels.dispatch.CHOICES, without JAX
+
+
+def engine_config(
+    *,
+    dtype: str = "float32",
+    max_cpu_loras: int | None = None,
+    token_buckets: Seq[int] | None = None,
+    lora_impl: str = ENGINE_DEFAULTS["lora_impl"],
+    **sizes: Any,
+) -> EngineConfig:
+    """The EngineConfig `LLM(...)` builds from these arguments; ValueError naming the bad one.
+
+    Needs no model, so callers (the CLI, a server) can reject bad sizes before loading anything.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if lora_impl not in LORA_IMPLS:
+        raise ValueError(f"lora_impl must be one of {list(LORA_IMPLS)}, got {lora_impl!r}")
+    max_loras = sizes.get("max_loras", ENGINE_DEFAULTS["max_loras"])
+    if max_cpu_loras is None and isinstance(max_loras, int):
+        max_cpu_loras = max(4 * max_loras, 8)
+    buckets: dict[str, tuple[int, ...] | None] = {}
+    for name, b in (("token_buckets", token_buckets),):
+        if b is not None:  # a list is fine here; the config must hold a (hashable) tuple
+            if isinstance(b, (str, bytes)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in b):
+                raise ValueError(f"{name} must be a sequence of ints, got {b!r}")
+            b = tuple(b)
+        buckets[name] = b
+    return EngineConfig(max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, **buckets, **sizes)

@@ -1,0 +1,131 @@
+"""Start-up a person sees: one set of default sizes, checks before loading, lazy mode, no torch banner."""
+
+import dataclasses
+import inspect
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jlora import compile_stats
+from jlora.defaults import ENGINE_DEFAULTS, LORA_IMPLS, engine_config
+from jlora.engine.config import EngineConfig
+
+# Two step graphs (decode-only and one prefill chunk bucket) and set_slot: enough to see lazy
+# compiles, cheap to warm up eagerly.
+SMALL = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, max_loras=2, max_lora_rank=24,
+             token_buckets=(32,))
+STEP_STAGES = ("step", "set_slot")
+
+
+def test_llm_defaults_are_engine_config_defaults():
+    from jlora import LLM
+
+    params = inspect.signature(LLM.__init__).parameters
+    for f in dataclasses.fields(EngineConfig):
+        # max_cpu_loras (host cache, no graph depends on it) follows max_loras unless given.
+        if f.name in params and f.default is not None and f.name != "max_cpu_loras":
+            assert params[f.name].default == f.default, f.name
+
+
+def test_cli_and_demo_defaults_are_llm_defaults():
+    from jlora.cli import build_parser
+
+    parser = build_parser()
+    for cmd in (["generate", "x"], ["demo"]):
+        args = parser.parse_args(cmd)
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank",
+                     "lora_impl"):
+            assert getattr(args, name) == ENGINE_DEFAULTS[name], (cmd, name)
+        assert args.token_buckets is None
+
+
+def test_lora_impl_choices_match_the_kernels():
+    from jlora.kernels import CHOICES
+
+    assert tuple(CHOICES) == LORA_IMPLS
+
+
+def test_engine_config_checks_arguments_alone():
+    with pytest.raises(ValueError, match="dtype"):
+        engine_config(dtype="float64")
+    with pytest.raises(ValueError, match="lora_impl"):
+        engine_config(lora_impl="magic")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine_config(max_num_seqs=0)
+    with pytest.raises(ValueError, match="token_buckets"):
+        engine_config(token_buckets="32,64")
+    assert engine_config(max_model_len=256, token_buckets=[128, 256]).token_buckets == (128, 256)
+
+
+def test_llm_rejects_bad_sizes_before_loading(monkeypatch):
+    import jlora.llm
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(jlora.llm, "load_model", no_load)
+    for kwargs, word in [(dict(max_model_len=0), "max_model_len"), (dict(lora_impl="x"), "lora_impl"),
+                         (dict(dtype="int8"), "dtype"), (dict(token_buckets=(1, 3)), "token_buckets"),
+                         (dict(model="/no/such/model.gguf"), "does not exist")]:
+        with pytest.raises((ValueError, FileNotFoundError), match=word):
+            jlora.llm.LLM(**kwargs)
+
+
+def _step_compiles() -> dict[str, int]:
+    table = compile_stats.stage_table()
+    return {s: table.get(s, (0, 0.0))[0] for s in STEP_STAGES}
+
+
+def test_lazy_compiles_on_first_use_and_matches_eager(tiny_dir, tiny_adapters):
+    from jlora import LLM, LoRARequest, SamplingParams
+
+    path, _ = tiny_dir
+    prompts = ["The sea is", "One two three"]
+    loras = [LoRARequest("a1", 1, str(tiny_adapters[1])), None]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    # Count real compiles: a persistent-cache hit compiles nothing and would hide them.
+    prev = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        before = _step_compiles()
+        lazy = LLM(path, warmup=False, progress=False, use_compilation_cache=False, **SMALL)
+        assert _step_compiles() == before, "lazy mode compiled a step graph at construction"
+        got = lazy.generate(prompts, params, lora_request=loras)
+        after = _step_compiles()
+        for stage in STEP_STAGES:
+            assert after[stage] > before[stage], f"no {stage} compile shown in the report"
+        assert set(lazy.compile_report(print_table=False)) >= set(STEP_STAGES)
+        eager = LLM(path, progress=False, use_compilation_cache=False, **SMALL)
+        n = compile_stats.compile_count()
+        want = eager.generate(prompts, params, lora_request=loras)
+        assert compile_stats.compile_count() - n == 0  # eager: everything was compiled at start
+    finally:
+        jax.config.update("jax_enable_compilation_cache", prev)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert lazy.startup_seconds["warmup"] < eager.startup_seconds["warmup"]
+
+
+def test_no_pytorch_banner_at_import(tmp_path):
+    code = ("import sys; sys.modules['torch'] = None\n"  # as in an install without torch
+            "import jlora.tokenizer, jlora.cli\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "PyTorch was not found" not in out.stderr + out.stdout
+
+
+def test_llm_weights_cache_option_and_env(tiny_dir, tmp_path, monkeypatch):
+    from jlora import LLM
+
+    path, _ = tiny_dir
+    kw = dict(warmup=False, progress=False, use_compilation_cache=False, **SMALL)
+    root = tmp_path / "weights"
+    assert LLM(path, weights_cache=root, **kw).weights_cache_hit is False  # converted, then cached
+    second = LLM(path, weights_cache=root, **kw)
+    assert second.weights_cache_hit is True
+    assert second.startup_seconds.keys() >= {"load_weights", "tokenizer", "engine_init", "warmup"}
+    assert LLM(path, weights_cache=False, **kw).weights_cache_hit is None
+    monkeypatch.setenv("JLORA_WEIGHTS_CACHE", "0")
+    assert LLM(path, weights_cache=root, **kw).weights_cache_hit is None
