@@ -27,7 +27,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     path = Path(path or os.environ.get("JLORA_CACHE_DIR") or Path.home() / ".cache" / "jlora" / "xla")
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
 

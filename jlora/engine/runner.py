@@ -10,6 +10,8 @@ sampled tokens (and logprobs) come back.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -33,6 +35,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or model.dtype
         self.cache = init_cache(self.cfg, config.num_kv_blocks, config.block_size, self.kv_dtype)
         self._step = jax.jit(self._step_impl, static_argnames=("lora_impl", "attn_chunk"), donate_argnames=("cache",))
+        self._executables: dict[tuple[int, int], Any] = {}  # prefill shape -> compiled step
 
     def _step_impl(self, weights, lora_state, cache, batch, *, lora_impl, attn_chunk):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
@@ -71,15 +74,30 @@ class ModelRunner:
 
     def step(self, lora_state: LoRAState | None, batch: dict[str, Any]) -> dict[str, np.ndarray]:
         """Runs one step; returns the sampled tokens i32[R] (and logprob arrays) on the host."""
+        shape = batch["pre_positions"].shape
         dev = jax.device_put(batch)  # one transfer
-        with compile_stats.stage("step"):
-            out, self.cache = self._step(self._weights, lora_state, self.cache, dev,
-                                         lora_impl=self.config.lora_impl, attn_chunk=self.config.attn_chunk)
+        if shape not in self._executables:  # lazy mode, or a shape warm-up did not cover
+            self._compile([shape], lora_state)
+        out, self.cache = self._executables[shape](self._weights, lora_state, self.cache, dev)
         return jax.device_get(out)
 
+    def _compile(self, shapes: list[tuple[int, int]], lora_state: LoRAState | None, progress: bool = False) -> None:
+        """Trace and lower each shape (Python, one at a time), then compile them on all cores at once:
+        XLA compiles outside the GIL, and the step graphs do not depend on each other."""
+        lowered = {shape: self._step.lower(self._weights, lora_state, self.cache, jax.device_put(self.empty_batch(shape)),
+                                           lora_impl=self.config.lora_impl, attn_chunk=self.config.attn_chunk)
+                   for shape in shapes}
+
+        def build(shape: tuple[int, int]) -> None:
+            with compile_stats.stage("step"):
+                self._executables[shape] = lowered[shape].compile()
+
+        bar = tqdm(total=len(shapes), desc="jlora warm-up (compiling step graphs)", disable=not progress)
+        with ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
+            for _ in pool.map(build, shapes):
+                bar.update(1)
+        bar.close()
+
     def warmup(self, lora_state: LoRAState | None, progress: bool = True) -> None:
-        """Compile every step graph once (all padding: nothing is written), before the first request."""
-        shapes = self.config.step_shapes()
-        for shape in tqdm(shapes, desc="jlora warm-up (compiling step graphs)", disable=not progress):
-            self.step(lora_state, self.empty_batch(shape))
-        jax.block_until_ready(self.cache)
+        """Compile every step graph once, before the first request."""
+        self._compile([s for s in self.config.step_shapes() if s not in self._executables], lora_state, progress)
