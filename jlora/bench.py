@@ -27,6 +27,13 @@ TEXT = ("The history of science is the study of the development of science and s
         "explanation, and prediction of real-world phenomena. ") * 20
 
 
+CHAT_QUESTIONS = ["What is the capital of France, and why is it famous?", "Give me three tips for writing clean code.",
+                  "Explain photosynthesis to a ten-year-old.", "Write a haiku about the sea at night.",
+                  "What is the difference between a list and a tuple in Python?",
+                  "Suggest a name for a small bakery and explain it.", "How do vaccines train the immune system?",
+                  "Summarize the plot of Romeo and Juliet in two sentences."]
+
+
 def make_prompts(tokenizer: Any, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     rng = np.random.default_rng(seed)
@@ -121,9 +128,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peft_model.eval()
     names = [r.lora_name for r in per_prompt]
 
-    def jlora_run(loras):
+    chat_prompts = [llm.apply_chat_template([{"role": "user", "content": q}])
+                    for q in (CHAT_QUESTIONS * args.requests)[: args.requests]]
+
+    def jlora_run(loras, ids=prompts):
         def go() -> int:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras, use_tqdm=False)
+            outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, lora_request=loras, use_tqdm=False)
             return sum(len(o.outputs[0].token_ids) for o in outs)
         return go
 
@@ -131,14 +141,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with peft_model.disable_adapter():
             return hf_generate(peft_model, prompts, args.new_tokens)
 
-    def hf_peft() -> int:
-        return hf_generate(peft_model, prompts, args.new_tokens, adapter_names=names)
+    def hf_peft(ids=prompts):
+        return lambda: hf_generate(peft_model, ids, args.new_tokens, adapter_names=names)
 
     systems: dict[str, Callable[[], int]] = {
         "jlora, 4 adapters mixed": jlora_run(per_prompt),
         "jlora, no adapters": jlora_run(None),
         "transformers, no adapters": hf_base,
-        "transformers+peft, 4 adapters mixed": hf_peft,
+        "transformers+peft, 4 adapters mixed": hf_peft(),
+        "jlora, 4 adapters mixed, chat prompts": jlora_run(per_prompt, chat_prompts),
+        "transformers+peft, 4 adapters mixed, chat prompts": hf_peft(chat_prompts),
     }
     jlora_run(per_prompt)()  # loads the adapters into slots once (not timed)
     compiles_before = compile_stats.compile_count()
@@ -184,6 +196,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           "best_tok_s_memory": steps_per_s * args.requests,
                           "best_tok_s_compute": roof["matmul_gflops"] * 1e9 / flops_per_token}
     result["compile_report"] = compile_stats.stage_table()
+
+    # Larger batches: the same workload shape with B requests running at once (B = max_num_seqs).
+    result["batch_sizes"] = {}
+    for b in args.batch_sizes:
+        big = LLM(max_model_len=args.max_model_len, max_num_seqs=b, max_num_batched_tokens=512, max_loras=4,
+                  max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False)
+        ids = make_prompts(big.tokenizer, b, 16, 64, seed=2)
+        loras = [reqs[i % 4] for i in range(b)]
+        run_b = lambda: sum(len(o.outputs[0].token_ids) for o in big.generate(  # noqa: E731
+            [{"prompt_token_ids": p} for p in ids], params, lora_request=loras, use_tqdm=False))
+        run_b()  # adapters into slots
+        secs = []
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            n = run_b()
+            secs.append(time.perf_counter() - t)
+        tok_s = n / statistics.median(secs)
+        result["batch_sizes"][b] = {"tok_s": tok_s, "roofline_tok_s": steps_per_s * b,
+                                    "fraction_of_roofline": tok_s / (steps_per_s * b)}
+        del big
     return result
 
 
@@ -199,8 +231,9 @@ def to_markdown(r: dict[str, Any], args: argparse.Namespace) -> str:
         "| system | output tok/s | vs transformers+peft | vs jlora without adapters |",
         "|---|---:|---:|---:|",
     ]
-    for k, v in th.items():
-        lines.append(f"| {k} | {v:.1f} | {v / peft:.2f}x | {v / base:.2f}x |")
+    for k, v in th.items():  # chat-prompt rows against the chat-prompt baseline
+        ref = th.get("transformers+peft, 4 adapters mixed, chat prompts", peft) if k.endswith("chat prompts") else peft
+        lines.append(f"| {k} | {v:.1f} | {v / ref:.2f}x | {v / base:.2f}x |")
     lines += ["", "![Reference workload throughput](benchmarks.svg)"]
     ro = r["roofline"]
     ph = r["prefill_heavy"]
@@ -217,7 +250,17 @@ def to_markdown(r: dict[str, Any], args: argparse.Namespace) -> str:
         f"Adapter churn (32 adapters through 4 slots, 4 requests x 16 tokens each): {r['churn']['seconds']:.1f}s, "
         f"{r['churn']['tokens_per_s']:.1f} tok/s.",
         f"XLA compilations after warm-up during all of the above: {r['compiles_after_warmup_total']}.",
+        "",
+        f"Fraction of the memory roofline, reference workload: "
+        f"{th['jlora, 4 adapters mixed'] / ro['best_tok_s_memory']:.0%} (4 adapters), "
+        f"{base / ro['best_tok_s_memory']:.0%} (no adapters). Larger batches (B requests running at once, "
+        f"max_num_seqs=B, same prompt and adapter mix):",
+        "",
+        "| B | jlora tok/s, 4 adapters mixed | memory roofline tok/s | fraction |",
+        "|---:|---:|---:|---:|",
     ]
+    lines += [f"| {b} | {v['tok_s']:.1f} | {v['roofline_tok_s']:.0f} | {v['fraction_of_roofline']:.0%} |"
+              for b, v in r.get("batch_sizes", {}).items()]
     return "\n".join(lines)
 
 
@@ -239,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads for the transformers baselines")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--lora-impl", default="auto")
+    p.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",") if x], default=[32, 64],
+                   help="also run B requests at once with max_num_seqs=B, for each B (comma-separated; '' for none)")
     p.add_argument("--write", action="store_true",
                    help="write the table into docs/benchmarks.md and the chart into docs/benchmarks.svg")
     p.add_argument("--json", default=None, help="also dump raw results to this file")
