@@ -72,6 +72,8 @@ class LLM:
         token_buckets: Seq[int] | None = None,
         attn_chunk: int = ENGINE_DEFAULTS["attn_chunk"],
         block_size: int = ENGINE_DEFAULTS["block_size"],
+        scheduling_policy: str = ENGINE_DEFAULTS["scheduling_policy"],
+        max_overtakes: int = ENGINE_DEFAULTS["max_overtakes"],
         num_kv_blocks: int | None = None,
         warmup: bool = True,
         compilation_cache_dir: str | os.PathLike | None = None,
@@ -84,7 +86,8 @@ class LLM:
             dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, token_buckets=token_buckets,
-            attn_chunk=attn_chunk, block_size=block_size,
+            attn_chunk=attn_chunk, block_size=block_size, scheduling_policy=scheduling_policy,
+            max_overtakes=max_overtakes,
             num_kv_blocks=num_kv_blocks)
         path = resolve_model_path(model)  # a missing model path fails here, before anything is read
         t_checked = time.perf_counter()

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import jax
 import jax.numpy as jnp
@@ -251,7 +251,8 @@ class AdapterManager:
             self._current[req.lora_name] = version
             return AdapterHandle(version, adapter)
 
-    def acquire(self, req: LoRARequest | None, handle: AdapterHandle | None = None) -> int:
+    def acquire(self, req: LoRARequest | None, handle: AdapterHandle | None = None,
+                protect: Collection[str] = ()) -> int:
         """A pinned device slot holding `req`'s adapter (-1 for None = base model).
 
         Reuses the slot if the adapter is resident; otherwise loads it (host cache, else disk)
@@ -262,12 +263,13 @@ class AdapterManager:
         With a `handle` (from `prepare`), the slot holds exactly that version, read nothing from
         disk: if the name has moved on to a newer version (or was unloaded), the slot is written
         as a retired one that only this and other holders of the handle's version use.
+        `protect`: adapter names still needed soon (the queue's); their unpinned slots are evicted last.
         """
         if req is None:
             return -1
         self._check_request(req)
         if handle is not None:
-            return self._acquire_handle(req, handle)
+            return self._acquire_handle(req, handle, protect)
         with self._lock:
             version = self._version(req)
             self._check_int_id(req)
@@ -278,7 +280,7 @@ class AdapterManager:
                     self.stats["slot_hits"] += 1
                     return i
             # An unpinned older version of this name will be retired: its slot counts as free.
-            victim = self._pick_slot(also_free=lambda s: s.name == req.lora_name)
+            victim = self._pick_slot(also_free=lambda s: s.name == req.lora_name, protect=protect)
             if victim is None:
                 raise NoFreeSlotError(
                     f"all {self.max_loras} adapter slots are pinned by running requests "
@@ -291,7 +293,7 @@ class AdapterManager:
             self._write_pinned(victim, version, update, stale=False, adapter=adapter)
             return victim
 
-    def _acquire_handle(self, req: LoRARequest, handle: AdapterHandle) -> int:
+    def _acquire_handle(self, req: LoRARequest, handle: AdapterHandle, protect: Collection[str] = ()) -> int:
         if handle.version[0] != req.lora_name:
             raise ValueError(f"acquire: handle is for adapter {handle.version[0]!r}, request names {req.lora_name!r}")
         with self._lock:
@@ -303,7 +305,7 @@ class AdapterManager:
                     self.stats["slot_hits"] += 1
                     return i
             current = self._current.get(req.lora_name) == version
-            victim = self._pick_slot(also_free=lambda s: current and s.name == req.lora_name)
+            victim = self._pick_slot(also_free=lambda s: current and s.name == req.lora_name, protect=protect)
             if victim is None:
                 raise NoFreeSlotError(
                     f"all {self.max_loras} adapter slots are pinned by running requests; cannot load "
@@ -400,13 +402,13 @@ class AdapterManager:
                 raise ValueError(f"lora_int_id={req.lora_int_id} is already used by adapter {name!r}; "
                                  f"{req.lora_name!r} needs its own id (or unload {name!r} first)")
 
-    def _pick_slot(self, also_free) -> int | None:
+    def _pick_slot(self, also_free, protect: Collection[str] = ()) -> int | None:
         best, best_key = None, None
         for i, s in enumerate(self._slots):
             if s is None:
-                key = (0, 0, i)  # free slots first, lowest index
-            elif s.pins == 0:
-                key = (1 if also_free(s) else 2, s.last_used, i)
+                key = (0, 0, 0, i)  # free slots first, lowest index
+            elif s.pins == 0:  # then retired versions, then unneeded adapters, least recently used first
+                key = (1 if also_free(s) else 2, s.name in protect, s.last_used, i)
             else:
                 continue
             if best_key is None or key < best_key:

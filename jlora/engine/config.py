@@ -17,6 +17,9 @@ def geometric_buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
+SCHEDULING_POLICIES = ("adapter_aware", "fcfs")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine sizes. Every step is one graph keyed only by the shape of its prefill part
@@ -35,12 +38,19 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # KV capacity; None = max_num_seqs full-length sequences
     token_buckets: tuple[int, ...] | None = None  # prefill chunk lengths; None = 32, 128, ... (x4) up to the chunk
     attn_chunk: int = 128  # key positions attention reads per loop iteration
+    scheduling_policy: str = "adapter_aware"  # or "fcfs": see LLMEngine._admit
+    max_overtakes: int = 16  # adapter_aware: how often a waiting sequence may be passed over
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_loras",
                      "max_lora_rank", "max_cpu_loras", "block_size", "attn_chunk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"EngineConfig.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        if not isinstance(self.max_overtakes, int) or self.max_overtakes < 0:
+            raise ValueError(f"EngineConfig.max_overtakes must be an int >= 0, got {self.max_overtakes!r}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
         if self.num_kv_blocks is None:

@@ -119,20 +119,35 @@ class LLMEngine:
     # ---- scheduling -----------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Strict FIFO: the head waits for KV blocks for its prefill, a free sequence place and an
-        adapter slot; nobody overtakes it. Preempted sequences rejoin at the head."""
+        """Admission in queue order: a sequence needs KV blocks for its prefill, a free row and, if it
+        uses an adapter, a slot. Preempted sequences rejoin at the head.
+
+        A sequence short of KV blocks stops admission (running sequences will free some). One whose
+        adapter cannot get a slot (every slot pinned) stops it too under "fcfs"; under
+        "adapter_aware" (the default) it is passed over and later sequences whose adapters are
+        resident, or can take a slot, go first, until it has been passed over `max_overtakes` times:
+        then it holds the queue until a slot frees, so nothing starves. Slots holding adapters the
+        queue still needs are evicted last.
+        """
         c = self.config
-        while self.waiting and len(self.running) < c.max_num_seqs:
-            seq = self.waiting[0]
+        needed = {s.lora.lora_name for s in self.waiting if s.lora is not None}
+        i = 0
+        while i < len(self.waiting) and len(self.running) < c.max_num_seqs:
+            seq = self.waiting[i]
             need = c.blocks_for(seq.total_len)
             if need > self.kv.num_free:
-                return  # running sequences will finish (or be preempted) and free blocks
+                return
             if seq.lora is not None:
                 try:
-                    seq.slot = self.adapters.acquire(seq.lora, seq.lora_handle)
+                    seq.slot = self.adapters.acquire(seq.lora, seq.lora_handle, protect=needed)
                 except NoFreeSlotError:
-                    return  # every slot is pinned by running requests; wait for one to finish
-            self.waiting.popleft()
+                    if c.scheduling_policy == "fcfs" or seq.num_overtaken >= c.max_overtakes:
+                        return
+                    i += 1
+                    continue
+            del self.waiting[i]
+            for passed in itertools.islice(self.waiting, i):
+                passed.num_overtaken += 1
             seq.blocks = self.kv.allocate(need)
             seq.row = self._free_rows.pop(0)
             seq.state = SeqState.PREFILL

@@ -34,6 +34,7 @@ class Sequence:
     row: int = -1  # decode row in the step while running
     num_computed: int = 0  # tokens already in the KV cache
     num_preemptions: int = 0
+    num_overtaken: int = 0  # later sequences admitted while this one waited for an adapter slot
     output_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
