@@ -252,8 +252,8 @@ def test_graph_count_is_what_the_config_predicts(tiny_dir):
     cfg = dict(ENGINE, token_buckets=(8, 16, 32), max_model_len=128)
     llm = LLM(str(tiny_dir[0]), progress=False, **cfg)
     compiled = compile_stats.stage_table()["step"][0] - before
-    # decode-only; (4, 8), (1, 8); (2, 16), (1, 16); (1, 32): 32 tokens of budget over 4 rows
-    assert compiled == llm.config.num_step_graphs == 6
+    # decode-only with 1 or 4 rows; prefill parts (4, 8), (1, 8); (2, 16), (1, 16); (1, 32)
+    assert compiled == llm.config.num_step_graphs == 7
     count = compile_stats.compile_count()
     rng = np.random.default_rng(1)
     prompts = [{"prompt_token_ids": rng.integers(0, 1000, int(n)).tolist()} for n in rng.integers(1, 100, 9)]

@@ -23,9 +23,8 @@ SCHEDULING_POLICIES = ("adapter_aware", "fcfs")
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine sizes. Every step is one graph keyed only by the shape of its prefill part
-    (`prefill_shapes()`: sequences x chunk length, or none for a decode-only step): the decode rows
-    are always `max_num_seqs` and attention loops over the keys it needs, so no graph is keyed by
-    batch size or span."""
+    (`prefill_shapes()`: sequences x chunk length) or, for a decode-only step, by its row bucket;
+    attention loops over the keys it needs, so no graph is keyed by span (`step_shapes()`)."""
 
     max_model_len: int = 2048  # prompt + generated tokens per sequence
     max_num_seqs: int = 16  # sequences running at once: the decode rows of every step
@@ -93,9 +92,17 @@ class EngineConfig:
             shapes += [(p, q), (1, q)] if p > 1 else [(1, q)]
         return tuple(shapes)
 
-    def step_shapes(self) -> tuple[tuple[int, int], ...]:
-        """Every step graph's prefill part: (0, 0) for decode-only steps, then `prefill_shapes()`."""
-        return ((0, 0),) + self.prefill_shapes()
+    @property
+    def decode_row_buckets(self) -> tuple[int, ...]:
+        """Decode rows of a decode-only step: 1, 4, 16, ... up to max_num_seqs (a lone sequence does
+        not pay for 16 rows). A step with a prefill part always has max_num_seqs rows."""
+        return geometric_buckets(1, self.max_num_seqs, factor=4)
+
+    def step_shapes(self) -> tuple[tuple[int, int, int], ...]:
+        """Every step graph as (decode rows, prefill sequences, prefill chunk): the decode-only steps
+        (R, 0, 0) for each row bucket, then (max_num_seqs, P, Q) for each of `prefill_shapes()`."""
+        return (tuple((r, 0, 0) for r in self.decode_row_buckets)
+                + tuple((self.max_num_seqs, p, q) for p, q in self.prefill_shapes()))
 
     @property
     def num_step_graphs(self) -> int:

@@ -1,9 +1,9 @@
 """LLMEngine: continuous batching over a paged KV cache and a fixed set of adapter slots.
 
 `add_request` queues work, `step` runs one scheduling round as one device call: a decode token
-for every running sequence that is decoding (each holds one of `max_num_seqs` rows) plus the next
+for every running sequence that is decoding (packed into the step's rows) plus the next
 prefill chunk of the oldest sequence still prefilling, sampled in the same graph.
-`abort` drops a request and frees its KV blocks, row and slot pin.
+`abort` drops a request and frees its KV blocks and slot pin.
 When a decoding sequence needs a KV block and none is free, the most recently admitted sequence
 is preempted: its blocks are freed and it is recomputed (prompt + tokens so far) when it is
 admitted again, so nothing is dropped and greedy outputs do not change.
@@ -43,7 +43,6 @@ class LLMEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.kv = BlockAllocator(config.num_kv_blocks)
-        self._free_rows = list(range(config.max_num_seqs))  # decode rows of the step
         self.num_preemptions = 0
         self._ids = itertools.count()
         self._seed_rng = random.Random()
@@ -119,7 +118,7 @@ class LLMEngine:
     # ---- scheduling -----------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Admission in queue order: a sequence needs KV blocks for its prefill, a free row and, if it
+        """Admission in queue order: a sequence needs KV blocks for its prefill, a free place and, if it
         uses an adapter, a slot. Preempted sequences rejoin at the head.
 
         A sequence short of KV blocks stops admission (running sequences will free some). One whose
@@ -149,7 +148,6 @@ class LLMEngine:
             for passed in itertools.islice(self.waiting, i):
                 passed.num_overtaken += 1
             seq.blocks = self.kv.allocate(need)
-            seq.row = self._free_rows.pop(0)
             seq.state = SeqState.PREFILL
             self.running.append(seq)
 
@@ -172,9 +170,6 @@ class LLMEngine:
         self.running.remove(seq)
         self.kv.free(seq.blocks)
         seq.blocks = []
-        self._free_rows.append(seq.row)
-        self._free_rows.sort()
-        seq.row = -1
         if seq.slot >= 0:
             self.adapters.release(seq.slot)
             seq.slot = -1
@@ -209,16 +204,17 @@ class LLMEngine:
         if not decoding and not prefilling:
             return []
         c = self.config
-        shape, chunks = self._choose_prefill(prefilling)
-        batch = self.runner.empty_batch(shape)
+        (p, q), chunks = self._choose_prefill(prefilling)
+        # Rows are packed afresh each step: decoding sequences first, then prompts completing now.
+        r = c.max_num_seqs if chunks else bucket_for(len(decoding), c.decode_row_buckets)
+        batch = self.runner.empty_batch((r, p, q))
         rows: dict[int, Sequence] = {}
-        for s in decoding:
-            batch["tokens"][s.row] = s.output_ids[-1]
-            batch["slot_ids"][s.row] = s.slot
-            batch["dec_positions"][s.row] = s.total_len - 1
-            batch["dec_tables"][s.row, : len(s.blocks)] = s.blocks
-            rows[s.row] = s
-        r, q = self.runner.num_rows, shape[1]
+        for row, s in enumerate(decoding):
+            batch["tokens"][row] = s.output_ids[-1]
+            batch["slot_ids"][row] = s.slot
+            batch["dec_positions"][row] = s.total_len - 1
+            batch["dec_tables"][row, : len(s.blocks)] = s.blocks
+            rows[row] = s
         for i, s in enumerate(chunks):
             n, start, at = min(q, s.total_len - s.num_computed), s.num_computed, r + i * q
             batch["tokens"][at: at + n] = s.all_ids[start: start + n]
@@ -226,9 +222,10 @@ class LLMEngine:
             batch["pre_positions"][i, :n] = np.arange(start, start + n)
             batch["pre_tables"][i, : len(s.blocks)] = s.blocks
             s.num_computed += n
-            if s.num_computed == s.total_len:  # the prompt is in: its row samples the first token
-                batch["sample_index"][s.row] = at + n - 1
-                rows[s.row] = s
+            if s.num_computed == s.total_len:  # the prompt is in: a free row samples its first token
+                row = len(rows)
+                batch["sample_index"][row] = at + n - 1
+                rows[row] = s
         batch["sampling"] = build_sampling_batch(
             {i: SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_ids, self.eos_token_id)
              for i, s in rows.items()}, r, c.max_model_len)
@@ -247,7 +244,7 @@ class LLMEngine:
         for p, q in self.config.prefill_shapes():
             take = seqs[:p]
             useful = sum(min(q, s.total_len - s.num_computed) for s in take)
-            key = useful / (p * q + self.runner.num_rows + STEP_COST_TOKENS)
+            key = useful / (p * q + self.config.max_num_seqs + STEP_COST_TOKENS)
             if best is None or key > best[0]:
                 best = (key, (p, q), take)
         return best[1], best[2]

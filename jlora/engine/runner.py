@@ -1,9 +1,9 @@
 """ModelRunner: owns the device state (weights, paged KV cache) and the one jitted step.
 
-A step is one device call: the running sequences' decode tokens (always `max_num_seqs` rows,
-padding where a row is free) and a prefill part (P sequences x Q chunk tokens, one of
-`EngineConfig.prefill_shapes()`), packed into one token axis, go through the model together (every
-weight read once), and the sampler runs in the same graph. Host and
+A step is one device call: the running sequences' decode tokens (R rows, padding where a row is
+free) and a prefill part (P sequences x Q chunk tokens, one of `EngineConfig.prefill_shapes()`),
+packed into one token axis, go through the model together (every weight read once), and the
+sampler runs in the same graph. Graphs are keyed by (R, P, Q): `EngineConfig.step_shapes()`. Host and
 device meet once each way: the scheduler's NumPy arrays go over in one transfer, and only the
 sampled tokens (and logprobs) come back.
 """
@@ -35,7 +35,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or model.dtype
         self.cache = init_cache(self.cfg, config.num_kv_blocks, config.block_size, self.kv_dtype)
         self._step = jax.jit(self._step_impl, static_argnames=("lora_impl", "attn_chunk"), donate_argnames=("cache",))
-        self._executables: dict[tuple[int, int], Any] = {}  # prefill shape -> compiled step
+        self._executables: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> compiled step
 
     def _step_impl(self, weights, lora_state, cache, batch, *, lora_impl, attn_chunk):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
@@ -51,20 +51,16 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(x.nbytes for x in self.cache.values())
 
-    @property
-    def num_rows(self) -> int:
-        return self.config.max_num_seqs
-
-    def empty_batch(self, shape: tuple[int, int]) -> dict[str, Any]:
+    def empty_batch(self, shape: tuple[int, int, int]) -> dict[str, Any]:
         """Host arrays for one step with every row and token padding; the scheduler fills them in.
 
-        shape (P, Q): the prefill part, P sequences of Q chunk tokens ((0, 0): decode only).
+        shape (R, P, Q): R decode rows; the prefill part, P sequences of Q chunk tokens (0, 0: none).
         tokens / slot_ids [R + P*Q]: the R decode rows first, then the prefill rows;
         dec_positions [R], dec_tables [R, MB]; pre_positions [P, Q], pre_tables [P, MB];
         sample_index [R]: the token each row samples from (its decode token, or the last prompt
         token of a prefill that completes in this step).
         """
-        c, r, (p, q) = self.config, self.num_rows, shape
+        c, (r, p, q) = self.config, shape
         return dict(
             tokens=np.zeros((r + p * q,), np.int32), slot_ids=np.full((r + p * q,), -1, np.int32),
             dec_positions=np.full((r,), -1, np.int32), dec_tables=np.zeros((r, c.blocks_per_seq), np.int32),
@@ -74,21 +70,21 @@ class ModelRunner:
 
     def step(self, lora_state: LoRAState | None, batch: dict[str, Any]) -> dict[str, np.ndarray]:
         """Runs one step; returns the sampled tokens i32[R] (and logprob arrays) on the host."""
-        shape = batch["pre_positions"].shape
+        shape = batch["dec_positions"].shape + batch["pre_positions"].shape
         dev = jax.device_put(batch)  # one transfer
         if shape not in self._executables:  # lazy mode, or a shape warm-up did not cover
             self._compile([shape], lora_state)
         out, self.cache = self._executables[shape](self._weights, lora_state, self.cache, dev)
         return jax.device_get(out)
 
-    def _compile(self, shapes: list[tuple[int, int]], lora_state: LoRAState | None, progress: bool = False) -> None:
+    def _compile(self, shapes: list[tuple[int, int, int]], lora_state: LoRAState | None, progress: bool = False) -> None:
         """Trace and lower each shape (Python, one at a time), then compile them on all cores at once:
         XLA compiles outside the GIL, and the step graphs do not depend on each other."""
         lowered = {shape: self._step.lower(self._weights, lora_state, self.cache, jax.device_put(self.empty_batch(shape)),
                                            lora_impl=self.config.lora_impl, attn_chunk=self.config.attn_chunk)
                    for shape in shapes}
 
-        def build(shape: tuple[int, int]) -> None:
+        def build(shape: tuple[int, int, int]) -> None:
             with compile_stats.stage("step"):
                 self._executables[shape] = lowered[shape].compile()
 

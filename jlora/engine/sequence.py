@@ -31,7 +31,6 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     blocks: list[int] = dataclasses.field(default_factory=list)  # KV cache blocks, in position order
     slot: int = -1  # adapter slot, -1 = base model
-    row: int = -1  # decode row in the step while running
     num_computed: int = 0  # tokens already in the KV cache
     num_preemptions: int = 0
     num_overtaken: int = 0  # later sequences admitted while this one waited for an adapter slot
