@@ -49,7 +49,7 @@ class LoRARequest:
         if self.tensors is not None:
             if self.lora_path is not None:
                 raise ValueError(f"LoRARequest {self.lora_name!r}: give exactly one of lora_path or tensors, "
-                                 f"not both")
+                                 f"got both")
             if self.config is None:
                 raise ValueError(f"LoRARequest {self.lora_name!r}: tensors need config=... (the "
                                  f"adapter_config.json content as a dict: r, lora_alpha, target_modules, ...)")
@@ -60,8 +60,9 @@ class LoRARequest:
             object.__setattr__(self, "content_hash", _content_hash(tensors, config))
             return
         if self.lora_path is None:
-            raise ValueError(f"LoRARequest {self.lora_name!r}: give exactly one of lora_path (a PEFT adapter "
-                             f"directory) or tensors=... with config=... (an adapter in memory)")
+            raise ValueError(f"LoRARequest {self.lora_name!r}: give exactly one of lora_path or tensors, got "
+                             f"neither (lora_path: a PEFT adapter directory; tensors=..., config=...: an "
+                             f"adapter in memory)")
         if not isinstance(self.lora_path, (str, os.PathLike)) or not str(self.lora_path):
             raise ValueError(f"LoRARequest.lora_path must be a non-empty path, got {self.lora_path!r}")
         object.__setattr__(self, "lora_path", str(self.lora_path))
