@@ -637,6 +637,20 @@ def test_in_memory_conversion_equals_files(tmp_path, as_jax):
     _assert_same_adapter(convert_peft_state_dict(req.tensors, req.config, CFG, 8), want)
 
 
+def test_in_memory_bfloat16_arrays(tmp_path):
+    from jlora.adapters import convert_peft_state_dict
+
+    write_peft(tmp_path / "a")
+    tensors, config = _as_state_dict(tmp_path / "a")
+    bf16 = {k: jax.numpy.asarray(v, jax.numpy.bfloat16) for k, v in tensors.items()}
+    rounded = {k: np.asarray(v, np.float32) for k, v in bf16.items()}
+    req = LoRARequest("b", 1, tensors=bf16, config=config)
+    assert req.tensors[next(iter(req.tensors))].dtype.name == "bfloat16"
+    assert req.content_hash != LoRARequest("b", 1, tensors=rounded, config=config).content_hash
+    _assert_same_adapter(convert_peft_state_dict(req.tensors, req.config, CFG, 8, name="b"),
+                         convert_peft_state_dict(rounded, config, CFG, 8, name="b"))
+
+
 def test_in_memory_rejections_match_files(tmp_path):
     from jlora.adapters import convert_peft_state_dict
 
