@@ -542,7 +542,7 @@ class AdapterManager:
         else:
             adapter = read_adapter(version[2], self.model_cfg, self.max_lora_rank, name=req.lora_name)
         self.stats["conversions"] += 1
-        if key is not None:
+        if key is not None and (req.in_memory or self._disk_key(req) == key):  # files unchanged while read
             try:
                 dc.write_entry(self.disk_cache_dir, key, adapter)
             except OSError as e:  # a full disk or read-only cache: serve it uncached
