@@ -701,7 +701,8 @@ def test_manager_in_memory_versions(adapters):
 
 def _weights_equal(a: LoRAAdapter, path) -> bool:
     b = read_peft_adapter(path, CFG)
-    return a.ranks == b.ranks and all(np.array_equal(x, y) for m in a.weights for x, y in zip(a.weights[m], b.weights[m]))
+    return a.ranks == b.ranks and all(np.array_equal(x, y)
+                                      for m in a.weights for x, y in zip(a.weights[m], b.weights[m]))
 
 
 def test_disk_cache_second_manager_reads_instead_of_converting(adapters, tmp_path):
@@ -726,7 +727,8 @@ def test_disk_cache_second_manager_reads_instead_of_converting(adapters, tmp_pat
     assert other.stats["disk_cache_hits"] == 0 and other.stats["conversions"] == 1
     # in-memory adapters are cached by content too
     t, c = _as_state_dict(adapters[3])
-    AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache).prepare(LoRARequest("m", 4, tensors=t, config=c))
+    mem_req = LoRARequest("m", 4, tensors=t, config=c)
+    AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache).prepare(mem_req)
     mem = AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache)
     assert _weights_equal(mem.prepare(LoRARequest("m", 4, tensors=t, config=c)).adapter, adapters[3])
     assert mem.stats["disk_cache_hits"] == 1 and mem.stats["conversions"] == 0

@@ -71,13 +71,15 @@ def test_updating_tensors_under_one_name_is_a_new_version(llm, tiny_adapters):
 def test_bad_in_memory_adapter_is_rejected_and_engine_keeps_serving(llm, tiny_adapters):
     t, cfg = state_dict(tiny_adapters[0])
     with pytest.raises(ValueError, match="use_dora"):
-        llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("dora", 500, tensors=t, config={**cfg, "use_dora": True}))
+        llm.generate(PROMPTS[:1], GREEDY,
+                     lora_request=LoRARequest("dora", 500, tensors=t, config={**cfg, "use_dora": True}))
     with pytest.raises(ValueError, match="max_lora_rank=8"):
         big = {k: v.repeat(5, axis=0 if ".lora_A." in k else 1) for k, v in t.items()}  # rank 2 -> 10
         llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("big", 501, tensors=big, config={**cfg, "r": 10}))
     k = next(iter(t))
     with pytest.raises(ValueError, match="has shape"):
-        llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("shape", 502, tensors={**t, k: t[k][:, :5]}, config=cfg))
+        llm.generate(PROMPTS[:1], GREEDY,
+                     lora_request=LoRARequest("shape", 502, tensors={**t, k: t[k][:, :5]}, config=cfg))
     assert len(tokens(llm, None)) == len(PROMPTS)
 
 
