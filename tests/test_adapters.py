@@ -1,5 +1,7 @@
 """Adapters without PyTorch: PEFT conversion rules and rejections on synthetic PEFT directories,
-orbax round trip, the one-graph donated `set_slot`, and AdapterManager's slots, pins and caches.
+orbax round trip, the one-graph donated `set_slot`, and AdapterManager's slots, pins and caches;
+adapters from memory (LoRARequest(tensors=, config=)), the disk cache of converted adapters and the
+host cache's byte bound.
 
 (Parity of the converted weights against the real `peft` library is in test_peft_parity_tiny.py.)
 """

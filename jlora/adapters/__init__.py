@@ -1,4 +1,5 @@
-"""LoRA adapters: PEFT conversion (`peft`), requests (`request`), device slots (`manager`).
+"""LoRA adapters: PEFT conversion (`peft`), requests from a path or memory (`request`), device slots
+and the host cache (`manager`), the on-disk cache of converted adapters (`disk_cache`).
 
 `from jlora.adapters import X` works for every name below; the JAX-heavy modules load on first use,
 so `from jlora import LoRARequest` stays light.
