@@ -41,6 +41,15 @@ def weights_cache_dir(compilation_cache_dir: str | os.PathLike | None = None) ->
     return default_cache_dir()
 
 
+def adapter_cache_dir(compilation_cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where converted adapters are cached: an `adapters` sibling of the compile cache directory."""
+    if compilation_cache_dir is not None and not os.environ.get("JLORA_ADAPTER_CACHE_DIR"):
+        return Path(compilation_cache_dir).parent / "adapters"
+    from jlora.adapters.disk_cache import default_cache_dir
+
+    return default_cache_dir()
+
+
 class LLM:
     """A model, its tokenizer and an engine; `generate`, `generate_stream` and `chat` as in vLLM.
 
@@ -55,6 +64,11 @@ class LLM:
     weights_cache=True keeps the converted (dequantized) weights on disk, keyed by the source file's
     contents, so a second start does not dequantize the GGUF again (`jlora.models.weights_cache`);
     False turns it off (so does JLORA_WEIGHTS_CACHE=0); a path puts the cache there.
+
+    adapter_cache=True does the same for converted LoRA adapters (`jlora.adapters.disk_cache`): keyed by
+    the adapter's content, so a restart or a second engine reads instead of converting; False turns
+    it off (so does JLORA_ADAPTER_CACHE=0); a path puts it there. The host cache of converted adapters
+    holds at most `max_cpu_loras` of them and, when given, at most `max_cpu_lora_bytes` bytes.
     """
 
     def __init__(
@@ -68,6 +82,7 @@ class LLM:
         max_loras: int = ENGINE_DEFAULTS["max_loras"],
         max_lora_rank: int = ENGINE_DEFAULTS["max_lora_rank"],
         max_cpu_loras: int | None = None,
+        max_cpu_lora_bytes: int | None = None,
         lora_impl: str = ENGINE_DEFAULTS["lora_impl"],
         token_buckets: Seq[int] | None = None,
         attn_chunk: int = ENGINE_DEFAULTS["attn_chunk"],
@@ -79,9 +94,15 @@ class LLM:
         compilation_cache_dir: str | os.PathLike | None = None,
         use_compilation_cache: bool = True,
         weights_cache: bool | str | os.PathLike = True,
+        adapter_cache: bool | str | os.PathLike = True,
         progress: bool = True,
     ):
         t0 = time.perf_counter()
+        v = max_cpu_lora_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"max_cpu_lora_bytes must be None or an int >= 0, got {v!r}")
+        if not isinstance(adapter_cache, (bool, str, os.PathLike)):
+            raise ValueError(f"adapter_cache must be a bool or a directory, got {adapter_cache!r}")
         self.config = engine_config(
             dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
@@ -119,6 +140,10 @@ class LLM:
         t3 = time.perf_counter()
         with compile_stats.stage("init"):  # the zero-filled KV cache and adapter slots
             self.engine = LLMEngine(self.model, self.tokenizer, self.config, eos)
+        if adapter_cache is True and compilation_cache_dir is not None:
+            adapter_cache = adapter_cache_dir(compilation_cache_dir)
+        self.engine.adapters.set_disk_cache(adapter_cache)
+        self.engine.adapters.set_max_cpu_lora_bytes(max_cpu_lora_bytes)
         self.progress = progress
         t4 = time.perf_counter()
         # Where the start-up went, in seconds (`jlora bench start` reports these).

@@ -1,5 +1,7 @@
 """Adapters without PyTorch: PEFT conversion rules and rejections on synthetic PEFT directories,
-orbax round trip, the one-graph donated `set_slot`, and AdapterManager's slots, pins and caches.
+orbax round trip, the one-graph donated `set_slot`, and AdapterManager's slots, pins and caches;
+adapters from memory (LoRARequest(tensors=, config=)), the disk cache of converted adapters and the
+host cache's byte bound.
 
 (Parity of the converted weights against the real `peft` library is in test_peft_parity_tiny.py.)
 """
@@ -562,3 +564,262 @@ def test_manager_serves_converted_dir(adapters, tmp_path):
     mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8)
     s = mgr.acquire(LoRARequest("conv", 1, str(tmp_path / "conv")))
     assert _slot_matches(mgr, s, adapters[1]) and mgr.resident() == {0: "conv"}
+
+
+# ---- adapters from memory -------------------------------------------------------------------------------
+
+
+def _as_state_dict(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path / "adapter_model.safetensors")), json.loads((path / "adapter_config.json").read_text())
+
+
+def _assert_same_adapter(a: LoRAAdapter, b: LoRAAdapter) -> None:
+    assert a.ranks == b.ranks and set(a.weights) == set(b.weights)
+    for m in a.weights:
+        for x, y in zip(a.weights[m], b.weights[m]):
+            assert x.dtype == y.dtype == np.float32
+            np.testing.assert_array_equal(x, y)
+
+
+def test_lora_request_in_memory_validation(tmp_path):
+    t = write_peft(tmp_path / "a")
+    _, cfg = _as_state_dict(tmp_path / "a")
+    req = LoRARequest("mine", 3, tensors=t, config=cfg)
+    assert req.in_memory and req.lora_path is None and len(req.content_hash) == 64
+    assert "tensors" not in repr(req)
+    # equal content, new objects: equal and same hash; other content: a different request
+    same = LoRARequest("mine", 3, tensors={k: v.copy() for k, v in t.items()}, config=dict(cfg))
+    assert same == req and hash(same) == hash(req) and len({req, same}) == 1
+    t2 = {k: v * 2 for k, v in t.items()}
+    assert LoRARequest("mine", 3, tensors=t2, config=cfg) != req
+    assert LoRARequest("mine", 3, tensors=t, config={**cfg, "lora_alpha": 16}) != req
+    # a snapshot: changing the caller's arrays afterwards changes nothing
+    key = next(iter(t))
+    before = req.tensors[key].copy()
+    t[key][0, 0] += 1.0
+    np.testing.assert_array_equal(req.tensors[key], before)
+    assert not req.tensors[key].flags.writeable
+    # JAX arrays and peft's set-valued target_modules are accepted
+    jreq = LoRARequest("mine", 3, tensors={k: jax.numpy.asarray(v) for k, v in same.tensors.items()},
+                       config={**cfg, "target_modules": set(cfg["target_modules"])})
+    assert jreq.config["target_modules"] == sorted(cfg["target_modules"])
+    # exactly one of lora_path / tensors
+    with pytest.raises(ValueError, match="exactly one of lora_path or tensors"):
+        LoRARequest("mine", 3)
+    with pytest.raises(ValueError, match="exactly one of lora_path or tensors"):
+        LoRARequest("mine", 3, str(tmp_path / "a"), tensors=t, config=cfg)
+    with pytest.raises(ValueError, match="tensors need config"):
+        LoRARequest("mine", 3, tensors=t)
+    with pytest.raises(ValueError, match="config is given without tensors"):
+        LoRARequest("mine", 3, config=cfg)
+    with pytest.raises(ValueError, match="tensors must be a dict"):
+        LoRARequest("mine", 3, tensors=[1, 2], config=cfg)
+    with pytest.raises(ValueError, match="tensors is empty"):
+        LoRARequest("mine", 3, tensors={}, config=cfg)
+    with pytest.raises(ValueError, match="config must be"):
+        LoRARequest("mine", 3, tensors=t, config="adapter_config.json")
+    with pytest.raises(ValueError, match="JSON-serializable"):
+        LoRARequest("mine", 3, tensors=t, config={"r": object()})
+
+
+@pytest.mark.parametrize("as_jax", [False, True])
+def test_in_memory_conversion_equals_files(tmp_path, as_jax):
+    from jlora.adapters import convert_peft_state_dict
+
+    cfg = {"rank_pattern": {"layers.1.self_attn.q_proj": 6}, "alpha_pattern": {"v_proj": 3}, "use_rslora": True}
+    write_peft(tmp_path / "a", r=4, alpha=8, ranks={(1, "q_proj"): 6}, config=cfg)
+    tensors, config = _as_state_dict(tmp_path / "a")
+    if as_jax:
+        tensors = {k: jax.numpy.asarray(v) for k, v in tensors.items()}
+    want = read_peft_adapter(tmp_path / "a", CFG, max_lora_rank=8)
+    _assert_same_adapter(convert_peft_state_dict(tensors, config, CFG, max_lora_rank=8, name="a"), want)
+    req = LoRARequest("a", 1, tensors=tensors, config=config)
+    _assert_same_adapter(convert_peft_state_dict(req.tensors, req.config, CFG, 8), want)
+
+
+def test_in_memory_bfloat16_arrays(tmp_path):
+    from jlora.adapters import convert_peft_state_dict
+
+    write_peft(tmp_path / "a")
+    tensors, config = _as_state_dict(tmp_path / "a")
+    bf16 = {k: jax.numpy.asarray(v, jax.numpy.bfloat16) for k, v in tensors.items()}
+    rounded = {k: np.asarray(v, np.float32) for k, v in bf16.items()}
+    req = LoRARequest("b", 1, tensors=bf16, config=config)
+    assert req.tensors[next(iter(req.tensors))].dtype.name == "bfloat16"
+    assert req.content_hash != LoRARequest("b", 1, tensors=rounded, config=config).content_hash
+    _assert_same_adapter(convert_peft_state_dict(req.tensors, req.config, CFG, 8, name="b"),
+                         convert_peft_state_dict(rounded, config, CFG, 8, name="b"))
+
+
+def test_in_memory_rejections_match_files(tmp_path):
+    from jlora.adapters import convert_peft_state_dict
+
+    t = write_peft(tmp_path / "a")
+    _, cfg = _as_state_dict(tmp_path / "a")
+    cases = [
+        ({**t, peft_key(1, "v_proj", "B"): np.zeros((48, 4), np.float32)}, cfg, None,
+         r"has shape \(48, 4\), expected \(32, 4\)"),
+        ({k: v for k, v in t.items() if k != peft_key(0, "q_proj", "B")}, cfg, None, "no lora_B"),
+        (t, {**cfg, "use_dora": True}, None, "use_dora"),
+        ({**t, "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": np.zeros(64, np.float32)},
+         cfg, None, "DoRA"),
+        (t, cfg, 2, "max_lora_rank=2"),
+        (t, {**cfg, "target_modules": ["q_proj"]}, None, "does not target"),
+    ]
+    for tensors, config, max_rank, match in cases:
+        req = LoRARequest("m", 1, tensors=tensors, config=config)
+        with pytest.raises(ValueError, match=match) as e:
+            convert_peft_state_dict(req.tensors, req.config, CFG, max_rank, name="m")
+        assert "'m'" in str(e.value)  # names the adapter, not a file
+        mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=max_rank or 8)
+        with pytest.raises(ValueError, match=match):
+            mgr.prepare(req)
+        assert mgr.list_adapters() == [] and mgr.resident() == {}
+
+
+def test_manager_in_memory_versions(adapters):
+    mgr = AdapterManager(CFG, max_loras=3, max_lora_rank=8, max_cpu_loras=4)
+    t0, c0 = _as_state_dict(adapters[1])
+    t1, c1 = _as_state_dict(adapters[3])
+    old = mgr.acquire(LoRARequest("mine", 5, tensors=t0, config=c0))  # pinned by a "running request"
+    assert _slot_matches(mgr, old, adapters[1])
+    # the same content in a new request object: the same version, the same slot, no conversion
+    conv = mgr.stats["conversions"]
+    assert mgr.acquire(LoRARequest("mine", 5, tensors=dict(t0), config=dict(c0))) == old
+    assert mgr.stats["conversions"] == conv
+    mgr.release(old)
+    # new tensors under the same name: a new version in a new slot; the running request keeps its weights
+    new = mgr.acquire(LoRARequest("mine", 5, tensors=t1, config=c1))
+    assert new != old and _slot_matches(mgr, new, adapters[3]) and _slot_matches(mgr, old, adapters[1])
+    assert mgr.resident() == {new: "mine"}
+    mgr.release(old)
+    assert mgr.pins(old) == 0 and mgr.resident() == {new: "mine"}
+
+
+# ---- disk cache and host byte bound -----------------------------------------------------------------------
+
+
+def _weights_equal(a: LoRAAdapter, path) -> bool:
+    b = read_peft_adapter(path, CFG)
+    return a.ranks == b.ranks and all(np.array_equal(x, y)
+                                      for m in a.weights for x, y in zip(a.weights[m], b.weights[m]))
+
+
+def test_disk_cache_second_manager_reads_instead_of_converting(adapters, tmp_path):
+    cache = tmp_path / "cache"
+    first = AdapterManager(CFG, max_loras=2, max_lora_rank=8, disk_cache=cache)
+    h = first.prepare(_req(1, adapters))
+    assert first.stats["conversions"] == 1 and first.stats["disk_cache_misses"] == 1
+    assert first.stats["disk_cache_hits"] == 0 and len([p for p in cache.iterdir() if len(p.name) == 32]) == 1
+    second = AdapterManager(CFG, max_loras=2, max_lora_rank=8, disk_cache=cache)
+    s = second.acquire(_req(1, adapters))
+    assert second.stats["disk_cache_hits"] == 1 and second.stats["conversions"] == 0
+    assert _slot_matches(second, s, adapters[1]) and _weights_equal(h.adapter, adapters[1])
+    # a copy of the same files elsewhere hits too; another max_lora_rank or base model misses
+    import shutil
+
+    shutil.copytree(adapters[1], tmp_path / "copy")
+    third = AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache)
+    third.prepare(LoRARequest("copy", 9, str(tmp_path / "copy")))
+    assert third.stats["disk_cache_hits"] == 1
+    other = AdapterManager(CFG, max_loras=1, max_lora_rank=16, disk_cache=cache)
+    other.prepare(_req(1, adapters))
+    assert other.stats["disk_cache_hits"] == 0 and other.stats["conversions"] == 1
+    # in-memory adapters are cached by content too
+    t, c = _as_state_dict(adapters[3])
+    mem_req = LoRARequest("m", 4, tensors=t, config=c)
+    AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache).prepare(mem_req)
+    mem = AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache)
+    assert _weights_equal(mem.prepare(LoRARequest("m", 4, tensors=t, config=c)).adapter, adapters[3])
+    assert mem.stats["disk_cache_hits"] == 1 and mem.stats["conversions"] == 0
+
+
+def test_disk_cache_invalidated_by_changed_files(tmp_path):
+    cache = tmp_path / "cache"
+    p = tmp_path / "live"
+    write_peft(p, seed=1)
+    AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache).prepare(LoRARequest("live", 1, str(p)))
+    write_peft(p, seed=2)  # same names and shapes, new weights
+    mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache)
+    h = mgr.prepare(LoRARequest("live", 1, str(p)))
+    assert mgr.stats["disk_cache_hits"] == 0 and mgr.stats["conversions"] == 1 and _weights_equal(h.adapter, p)
+    cfg = json.loads((p / "adapter_config.json").read_text())
+    (p / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": 3}))  # config only
+    mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache)
+    h = mgr.prepare(LoRARequest("live", 1, str(p)))
+    assert mgr.stats["disk_cache_hits"] == 0 and _weights_equal(h.adapter, p)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "meta", "delete_tensors", "shape"])
+def test_disk_cache_damaged_entry_is_rebuilt(adapters, tmp_path, damage):
+    from jlora.models.weights_cache import write_safetensors
+
+    cache = tmp_path / "cache"
+    AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache).prepare(_req(1, adapters))
+    (entry,) = [p for p in cache.iterdir() if len(p.name) == 32]
+    st = entry / "adapter.safetensors"
+    if damage == "truncate":
+        st.write_bytes(st.read_bytes()[:-7])
+    elif damage == "meta":
+        (entry / "meta.json").write_text("{")
+    elif damage == "delete_tensors":
+        st.unlink()
+    else:  # a well-formed file whose arrays do not fit the model
+        meta = json.loads((entry / "meta.json").read_text())
+        tensors = {n: np.zeros((1, 2), np.float32) for n in meta["tensors"]}
+        meta["file_size"] = write_safetensors(st, tensors)
+        (entry / "meta.json").write_text(json.dumps(meta))
+    mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache)
+    s = mgr.acquire(_req(1, adapters))
+    assert mgr.stats["disk_cache_rebuilds"] == 1 and mgr.stats["conversions"] == 1
+    assert _slot_matches(mgr, s, adapters[1])
+    again = AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache)
+    again.prepare(_req(1, adapters))
+    assert again.stats["disk_cache_hits"] == 1 and again.stats["conversions"] == 0
+
+
+def test_disk_cache_off(adapters, tmp_path, monkeypatch):
+    from jlora.adapters import disk_cache
+
+    cache = tmp_path / "cache"
+    mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8)  # a bare manager: off unless asked
+    assert mgr.disk_cache_dir is None
+    monkeypatch.setenv("JLORA_ADAPTER_CACHE", "0")
+    mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache)
+    mgr.prepare(_req(1, adapters))
+    assert mgr.disk_cache_dir is None and not cache.exists()
+    monkeypatch.delenv("JLORA_ADAPTER_CACHE")
+    monkeypatch.setenv("JLORA_CACHE_DIR", str(tmp_path / "xla"))
+    assert disk_cache.default_cache_dir() == tmp_path / "adapters"
+    monkeypatch.setenv("JLORA_ADAPTER_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=True).disk_cache_dir == tmp_path / "elsewhere"
+    with pytest.raises(ValueError, match="disk_cache"):
+        AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=3)
+
+
+def test_host_cache_byte_bound_evicts_lru(adapters):
+    sizes = [read_peft_adapter(p, CFG).nbytes for p in adapters]
+    # room for a2 + a3 + a4 (the last three) but not for a1 as well
+    bound = sizes[2] + sizes[3] + sizes[4]
+    assert sizes[1] + bound > bound
+    mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, max_cpu_loras=10, max_cpu_lora_bytes=bound)
+    for i in (1, 2, 3):
+        mgr.prepare(_req(i, adapters))
+    assert mgr.list_adapters() == ["a1", "a2", "a3"] and mgr.host_bytes() == sizes[1] + sizes[2] + sizes[3]
+    mgr.prepare(_req(1, adapters))  # touch a1: a2 is now the least recently used
+    mgr.prepare(_req(4, adapters))
+    assert mgr.host_bytes() <= bound and "a2" not in mgr.list_adapters() and "a4" in mgr.list_adapters()
+    assert mgr.stats["host_evictions"] >= 1
+    # lowering the bound evicts at once; an adapter larger than the bound is served but not kept
+    mgr.set_max_cpu_lora_bytes(sizes[4])
+    assert mgr.list_adapters() == ["a4"] and mgr.host_bytes() == sizes[4]
+    mgr.set_max_cpu_lora_bytes(1)
+    h = mgr.prepare(_req(3, adapters))
+    assert _weights_equal(h.adapter, adapters[3]) and mgr.list_adapters() == [] and mgr.host_bytes() == 0
+    s = mgr.acquire(_req(3, adapters))
+    assert _slot_matches(mgr, s, adapters[3])
+    for bad in (-1, 1.5, True, "1GB"):
+        with pytest.raises(ValueError, match="max_cpu_lora_bytes"):
+            AdapterManager(CFG, max_loras=1, max_lora_rank=8, max_cpu_lora_bytes=bad)

@@ -1,4 +1,5 @@
-"""LoRA adapters: PEFT conversion (`peft`), requests (`request`), device slots (`manager`).
+"""LoRA adapters: PEFT conversion (`peft`), requests from a path or memory (`request`), device slots
+and the host cache (`manager`), the on-disk cache of converted adapters (`disk_cache`).
 
 `from jlora.adapters import X` works for every name below; the JAX-heavy modules load on first use,
 so `from jlora import LoRARequest` stays light.
@@ -8,7 +9,8 @@ from jlora.adapters.request import LoRARequest
 
 _LAZY = {
     "AdapterManager": "manager", "NoFreeSlotError": "manager", "padded_update": "manager", "set_slot": "manager",
-    "LoRAAdapter": "peft", "convert": "peft", "convert_main": "peft", "load_adapter": "peft",
+    "LoRAAdapter": "peft", "convert": "peft", "convert_main": "peft", "convert_peft_state_dict": "peft",
+    "load_adapter": "peft",
     "read_adapter": "peft", "read_peft_adapter": "peft", "save_adapter": "peft",
 }
 

@@ -8,12 +8,16 @@ All slots live in one fixed-shape pytree (see DESIGN.md):
 already zero-padded to R on the host, so one compiled graph serves every slot, adapter and rank;
 the old state is donated, so there is never a second copy of it in memory.
 
-AdapterManager keeps a host LRU cache of converted adapters (`max_cpu_loras`) and N device slots.
+AdapterManager keeps a host LRU cache of converted adapters, bounded in count (`max_cpu_loras`)
+and optionally in bytes (`max_cpu_lora_bytes`), and N device slots. Below the host cache sits an
+optional disk cache of converted adapters keyed by content (`disk_cache`, see
+`jlora.adapters.disk_cache`), so a restart or a second engine reads instead of converting.
 `acquire(req)` pins a slot holding the request's adapter (loading it if needed, evicting the least
 recently used unpinned slot); `release(slot)` unpins it (pins are counted).
 
 Versions. A name is one adapter. A request for a known name whose lora_int_id or lora_path
-differs, or whose files changed on disk (mtime/size) since they were read, is a new version: it
+differs, or whose files changed on disk (mtime/size) since they were read, or (for an adapter
+held in memory, `LoRARequest(..., tensors=, config=)`) whose content_hash differs, is a new version: it
 is loaded (a bad one raises and changes nothing), the old version leaves the host cache, and the
 old version's slot is retired: freed at once if unpinned, else when its last pin is released.
 Requests already running keep the weights they started with; no request ever gets weights other
@@ -26,6 +30,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
+import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any, Collection
@@ -36,12 +43,16 @@ import numpy as np
 from jax import lax
 
 from jlora import compile_stats
+from jlora.adapters import disk_cache as dc
 from jlora.adapters.peft import (
-    ADAPTER_CONFIG, BIN_FILE, JLORA_ADAPTER_META, SAFETENSORS_FILE, LoRAAdapter, read_adapter,
+    ADAPTER_CONFIG, BIN_FILE, JLORA_ADAPTER_META, SAFETENSORS_FILE, LoRAAdapter, convert_peft_state_dict,
+    is_jlora_adapter_dir, read_adapter,
 )
 from jlora.adapters.request import LoRARequest
 from jlora.models.config import LlamaConfig
 from jlora.models.llama import LORA_MODULES, LoRAState, init_lora_state
+
+logger = logging.getLogger(__name__)
 
 
 class NoFreeSlotError(RuntimeError):
@@ -144,7 +155,8 @@ def padded_update(
 
 # ---- the manager ----------------------------------------------------------------------------------------
 
-_Version = tuple  # (name, int_id, resolved path, file fingerprint)
+_Version = tuple  # (name, int_id, resolved path or "<memory>", file fingerprint or (content_hash,))
+MEMORY = "<memory>"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -204,7 +216,12 @@ class AdapterManager:
         max_cpu_loras: int | None = None,
         dtype: Any = jnp.float32,
         modules: tuple[str, ...] = LORA_MODULES,
+        max_cpu_lora_bytes: int | None = None,
+        disk_cache: bool | str | os.PathLike = False,
     ):
+        """`max_cpu_loras` (default max_loras) and `max_cpu_lora_bytes` (default: no bound) bound the
+        host LRU cache of converted adapters; `disk_cache` is False (off), True (the default directory,
+        `jlora.adapters.disk_cache.default_cache_dir()`) or a directory."""
         for name, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"AdapterManager: {name} must be a positive int, got {v!r}")
@@ -224,7 +241,43 @@ class AdapterManager:
         self._current: dict[str, _Version] = {}  # name -> its newest version seen
         self._clock = 0
         self._lock = threading.RLock()
-        self.stats = collections.Counter()  # disk_loads, host_hits, slot_hits, slot_writes, evictions
+        # disk_loads (host-cache misses: read from the disk cache or converted), conversions, host_hits,
+        # host_evictions, disk_cache_hits / _misses / _rebuilds, slot_hits, slot_writes, evictions
+        self.stats = collections.Counter()
+        self._host_bytes = 0
+        self.max_cpu_lora_bytes: int | None = None
+        self.disk_cache_dir: Path | None = None
+        self.set_max_cpu_lora_bytes(max_cpu_lora_bytes)
+        self.set_disk_cache(disk_cache)
+
+    # ---- cache settings -------------------------------------------------------------------------------
+
+    def set_max_cpu_lora_bytes(self, max_cpu_lora_bytes: int | None) -> None:
+        """Bound the host cache's bytes (None: no bound); evicts least recently used adapters at once."""
+        v = max_cpu_lora_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+            raise ValueError(f"AdapterManager: max_cpu_lora_bytes must be None or an int >= 0, got {v!r}")
+        with self._lock:
+            self.max_cpu_lora_bytes = None if v is None else int(v)
+            self._evict_host()
+
+    def set_disk_cache(self, disk_cache: bool | str | os.PathLike | None) -> None:
+        """False/None: no disk cache; True: the default directory; a path: there. JLORA_ADAPTER_CACHE=0
+        turns it off whatever is asked."""
+        if disk_cache is not None and not isinstance(disk_cache, (bool, str, os.PathLike)):
+            raise ValueError(f"AdapterManager: disk_cache must be a bool or a directory, got {disk_cache!r}")
+        with self._lock:
+            if not disk_cache or not dc.cache_enabled():
+                self.disk_cache_dir = None
+            elif disk_cache is True:
+                self.disk_cache_dir = dc.default_cache_dir()
+            else:
+                self.disk_cache_dir = Path(disk_cache)
+
+    def host_bytes(self) -> int:
+        """Bytes of converted adapters in the host cache (what `max_cpu_lora_bytes` bounds)."""
+        with self._lock:
+            return self._host_bytes
 
     # ---- public API -----------------------------------------------------------------------------------
 
@@ -344,7 +397,7 @@ class AdapterManager:
             found = False
             self._current.pop(name, None)
             for v in [v for v in self._host if v[0] == name]:
-                del self._host[v]
+                self._host_drop(v)
                 found = True
             for i, s in enumerate(self._slots):
                 if s is not None and s.name == name:
@@ -392,6 +445,8 @@ class AdapterManager:
         return self._clock
 
     def _version(self, req: LoRARequest) -> _Version:
+        if req.in_memory:
+            return (req.lora_name, req.lora_int_id, MEMORY, (req.content_hash,))
         path = Path(req.lora_path).expanduser().resolve()
         return (req.lora_name, req.lora_int_id, str(path), _fingerprint(path))
 
@@ -421,23 +476,83 @@ class AdapterManager:
             self._host.move_to_end(version)
             self.stats["host_hits"] += 1
             return adapter
-        adapter = read_adapter(version[2], self.model_cfg, self.max_lora_rank, name=req.lora_name)
+        adapter = self._read_source(version, req)
         extra = sorted(set(adapter.weights) - set(self.modules))
         if extra:
-            raise ValueError(f"adapter {req.lora_name!r} at {req.lora_path!r} targets modules {extra} that this "
+            where = "in memory" if req.in_memory else f"at {req.lora_path!r}"
+            raise ValueError(f"adapter {req.lora_name!r} {where} targets modules {extra} that this "
                              f"engine's LoRA state does not hold ({list(self.modules)})")
         self.stats["disk_loads"] += 1
         if self.max_cpu_loras > 0:
             for v in [v for v in self._host if v[0] == version[0] and v != version]:
-                del self._host[v]  # an older version of the same name
+                self._host_drop(v)  # an older version of the same name
             self._host[version] = adapter
-            while len(self._host) > self.max_cpu_loras:
-                self._host.popitem(last=False)
+            self._host_bytes += adapter.nbytes
+            self._evict_host()
+        return adapter
+
+    def _host_drop(self, version: _Version) -> None:
+        self._host_bytes -= self._host.pop(version).nbytes
+
+    def _evict_host(self) -> None:
+        """Drop least recently used host copies until both bounds hold (an adapter larger than the byte
+        bound on its own is served but not kept)."""
+        cap = self.max_cpu_lora_bytes
+        while self._host and (len(self._host) > self.max_cpu_loras or (cap is not None and self._host_bytes > cap)):
+            self._host_drop(next(iter(self._host)))
+            self.stats["host_evictions"] += 1
+
+    def _disk_key(self, req: LoRARequest) -> str | None:
+        """The disk cache key of `req`'s adapter, or None where the disk cache does not apply."""
+        if self.disk_cache_dir is None:
+            return None
+        if req.in_memory:
+            content = f"memory:{req.content_hash}"
+        else:
+            path = Path(req.lora_path).expanduser().resolve()
+            try:
+                if not path.is_dir() or is_jlora_adapter_dir(path):  # missing, or already converted (orbax)
+                    return None
+                digest = dc.peft_dir_digest(path, self.disk_cache_dir)
+            except OSError:  # unreadable: the converter reports it
+                return None
+            if digest is None:
+                return None
+            content = f"peft:{digest}"
+        return dc.entry_key(content, self.model_cfg, self.max_lora_rank)
+
+    def _read_source(self, version: _Version, req: LoRARequest) -> LoRAAdapter:
+        """The converted adapter: from the disk cache when it has it, else converted (and cached)."""
+        key = self._disk_key(req)
+        if key is not None:
+            entry = self.disk_cache_dir / key
+            if entry.exists():
+                try:
+                    adapter = dc.read_entry(entry, key, self.model_cfg, self.max_lora_rank, req.lora_name)
+                    self.stats["disk_cache_hits"] += 1
+                    return adapter
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    logger.warning("adapter cache entry %s is damaged (%s); rebuilding it", entry, e)
+                    self.stats["disk_cache_rebuilds"] += 1
+                    shutil.rmtree(entry, ignore_errors=True)
+            self.stats["disk_cache_misses"] += 1
+        if req.in_memory:
+            adapter = convert_peft_state_dict(req.tensors, req.config, self.model_cfg, self.max_lora_rank,
+                                              name=req.lora_name, source=f"memory:{req.content_hash[:16]}")
+        else:
+            adapter = read_adapter(version[2], self.model_cfg, self.max_lora_rank, name=req.lora_name)
+        self.stats["conversions"] += 1
+        if key is not None and (req.in_memory or self._disk_key(req) == key):  # files unchanged while read
+            try:
+                dc.write_entry(self.disk_cache_dir, key, adapter)
+            except OSError as e:  # a full disk or read-only cache: serve it uncached
+                logger.warning("could not write the adapter cache under %s (%s); continuing without it",
+                               self.disk_cache_dir, e)
         return adapter
 
     def _retire_other_versions(self, version: _Version) -> None:
         for v in [v for v in self._host if v[0] == version[0] and v != version]:
-            del self._host[v]
+            self._host_drop(v)
         for i, s in enumerate(self._slots):
             if s is not None and s.name == version[0] and s.version != version:
                 if s.pins == 0:

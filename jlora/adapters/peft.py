@@ -361,7 +361,7 @@ def lora_scale(r: int, alpha: float, use_rslora: bool) -> float:
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
-def _reject_tensor(key: str, file: Path) -> ValueError:
+def _reject_tensor(key: str, file: str | Path) -> ValueError:
     """The error for a tensor that is not a Llama linear layer's lora_A/lora_B."""
     if "lora_embedding_" in key or ".embed_tokens." in f".{key}.":
         why = "LoRA or trained weights on the token embedding (embed_tokens) are not supported"
@@ -396,6 +396,54 @@ def read_peft_adapter(
     where = str(path / ADAPTER_CONFIG)
     _check_config(config, where)
     tensors, file = read_peft_tensors(path)
+    return _convert(tensors, config, model_cfg, max_lora_rank, name or path.name, str(path),
+                    where=where, file=str(file), config_name=ADAPTER_CONFIG)
+
+
+def convert_peft_state_dict(
+    tensors: Mapping[str, Any],  # PEFT state dict: '...q_proj.lora_A.weight' -> [r, in], 'lora_B' -> [out, r]
+    config: Mapping[str, Any],  # adapter_config.json content
+    model_cfg: LlamaConfig,
+    max_lora_rank: int | None = None,
+    name: str = "adapter",
+    source: str = "",
+) -> LoRAAdapter:
+    """Convert a PEFT adapter held in memory (NumPy / JAX arrays + its config dict).
+
+    The same checks and arithmetic as `read_peft_adapter` (which reads the two files and calls the
+    same code), so an adapter gives bit-identical weights either way; errors name `tensors[...]` /
+    `config` instead of the files.
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"adapter {name!r}: config must be the adapter_config.json content as a dict, got "
+                         f"{type(config).__name__}")
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"adapter {name!r}: tensors must be a dict of name -> array, got {type(tensors).__name__}")
+    where = f"adapter {name!r} config"
+    _check_config(config, where)
+    arrays: dict[str, np.ndarray] = {}
+    for k, v in tensors.items():
+        try:
+            arrays[k] = np.asarray(v).astype(np.float32)  # as the file reader does (bf16 via ml_dtypes)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"adapter {name!r}: tensors[{k!r}] is not a float array: {e}") from e
+    return _convert(arrays, dict(config), model_cfg, max_lora_rank, name, source,
+                    where=where, file=f"adapter {name!r} tensors", config_name="config")
+
+
+def _convert(
+    tensors: dict[str, np.ndarray],
+    config: Mapping[str, Any],  # already checked by `_check_config`
+    model_cfg: LlamaConfig,
+    max_lora_rank: int | None,
+    name: str,
+    source: str,
+    *,
+    where: str,  # names the config in errors
+    file: str,  # names the tensors in errors
+    config_name: str,
+) -> LoRAAdapter:
+    """PEFT tensors + config -> LoRAAdapter: the one conversion both the files and memory go through."""
     if not tensors:
         raise ValueError(f"{file} holds no tensors")
 
@@ -424,7 +472,7 @@ def read_peft_adapter(
         if idx >= L:
             raise ValueError(f"{file}: tensor {key!r} is for layer {idx}, but the base model has {L} layers")
         if config.get("target_modules") is not None and not is_targeted(config, module_name):
-            raise ValueError(f"{file}: tensor {key!r} is for module {module_name!r}, which {ADAPTER_CONFIG} does "
+            raise ValueError(f"{file}: tensor {key!r} is for module {module_name!r}, which {config_name} does "
                              f"not target (target_modules={config.get('target_modules')!r}, layers_to_transform="
                              f"{config.get('layers_to_transform')!r}, exclude_modules="
                              f"{config.get('exclude_modules')!r})")
@@ -447,7 +495,7 @@ def read_peft_adapter(
             full = f"{prefix}layers.{i}.{parent}.{mod}"
             if (i, mod) not in found:
                 if config.get("target_modules") is not None and is_targeted(config, full):
-                    raise ValueError(f"{file} has no lora_A/lora_B tensors for {full!r}, which {ADAPTER_CONFIG} "
+                    raise ValueError(f"{file} has no lora_A/lora_B tensors for {full!r}, which {config_name} "
                                      f"targets (target_modules={config.get('target_modules')!r})")
                 continue
             for ab in ("A", "B"):
@@ -467,10 +515,10 @@ def read_peft_adapter(
         (ka, a), (kb, b) = ab["A"], ab["B"]
         if a.shape != (r, d_in):
             raise ValueError(f"{file}: tensor {ka!r} has shape {tuple(a.shape)}, expected {(r, d_in)} "
-                             f"(r={r} from {ADAPTER_CONFIG}, in_features={d_in} of the base model's {mod})")
+                             f"(r={r} from {config_name}, in_features={d_in} of the base model's {mod})")
         if b.shape != (d_out, r):
             raise ValueError(f"{file}: tensor {kb!r} has shape {tuple(b.shape)}, expected {(d_out, r)} "
-                             f"(out_features={d_out} of the base model's {mod}, r={r} from {ADAPTER_CONFIG})")
+                             f"(out_features={d_out} of the base model's {mod}, r={r} from {config_name})")
         if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
             raise ValueError(f"{file}: tensors of module {full!r} contain NaN or Inf")
         scale = lora_scale(r, alpha, use_rslora)
@@ -490,7 +538,7 @@ def read_peft_adapter(
             B[i, : b.shape[0], :] = b
         weights[mod] = (A, B)
     ranks = {m: ranks[m] for m in weights}
-    return LoRAAdapter(name=name or path.name, ranks=ranks, weights=weights, source=str(path))
+    return LoRAAdapter(name=name, ranks=ranks, weights=weights, source=source)
 
 
 # ---- orbax save / load ------------------------------------------------------------------------------
