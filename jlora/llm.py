@@ -87,6 +87,7 @@ class LLM:
         token_buckets: Seq[int] | None = None,
         attn_chunk: int = ENGINE_DEFAULTS["attn_chunk"],
         block_size: int = ENGINE_DEFAULTS["block_size"],
+        decode_row_buckets: Seq[int] | None = None,
         scheduling_policy: str = ENGINE_DEFAULTS["scheduling_policy"],
         max_overtakes: int = ENGINE_DEFAULTS["max_overtakes"],
         num_kv_blocks: int | None = None,
@@ -108,6 +109,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, token_buckets=token_buckets,
             attn_chunk=attn_chunk, block_size=block_size, scheduling_policy=scheduling_policy,
+            decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
             max_overtakes=max_overtakes,
             num_kv_blocks=num_kv_blocks)
         path = resolve_model_path(model)  # a missing model path fails here, before anything is read

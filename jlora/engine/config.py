@@ -37,6 +37,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # KV capacity; None = max_num_seqs full-length sequences
     token_buckets: tuple[int, ...] | None = None  # prefill chunk lengths; None = 32, 128, ... (x4) up to the chunk
     attn_chunk: int = 128  # key positions attention reads per loop iteration
+    # Decode rows of a decode-only step; None = (1, max_num_seqs): a lone sequence (a notebook) runs
+    # 1-row steps, anything more runs all rows. A step with a prefill part has max_num_seqs rows.
+    decode_row_buckets: tuple[int, ...] | None = None
     scheduling_policy: str = "adapter_aware"  # or "fcfs": see LLMEngine._admit
     max_overtakes: int = 16  # adapter_aware: how often a waiting sequence may be passed over
 
@@ -61,6 +64,11 @@ class EngineConfig:
         chunk = min(self.max_num_batched_tokens, self.max_model_len)
         if self.token_buckets is None:
             object.__setattr__(self, "token_buckets", geometric_buckets(min(32, chunk), chunk, factor=4))
+        rows = (1, self.max_num_seqs) if self.decode_row_buckets is None else tuple(self.decode_row_buckets)
+        object.__setattr__(self, "decode_row_buckets", tuple(sorted(set(rows))))
+        if self.decode_row_buckets[0] < 1 or self.decode_row_buckets[-1] != self.max_num_seqs:
+            raise ValueError(f"EngineConfig.decode_row_buckets={rows} must be positive and end at "
+                             f"max_num_seqs={self.max_num_seqs}")
         b = tuple(self.token_buckets)
         object.__setattr__(self, "token_buckets", b)
         if list(b) != sorted(set(b)) or b[-1] != chunk or b[0] < 1 or not all(isinstance(x, int) for x in b):
@@ -91,12 +99,6 @@ class EngineConfig:
             p = min(self.max_num_seqs, max(1, self.max_num_batched_tokens // q))
             shapes += [(p, q), (1, q)] if p > 1 else [(1, q)]
         return tuple(shapes)
-
-    @property
-    def decode_row_buckets(self) -> tuple[int, ...]:
-        """Decode rows of a decode-only step: 1, 4, 16, ... up to max_num_seqs (a lone sequence does
-        not pay for 16 rows). A step with a prefill part always has max_num_seqs rows."""
-        return geometric_buckets(1, self.max_num_seqs, factor=4)
 
     def step_shapes(self) -> tuple[tuple[int, int, int], ...]:
         """Every step graph as (decode rows, prefill sequences, prefill chunk): the decode-only steps
