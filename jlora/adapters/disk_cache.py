@@ -35,7 +35,7 @@ import numpy as np
 
 from jlora.adapters.peft import ADAPTER_CONFIG, BIN_FILE, SAFETENSORS_FILE, LoRAAdapter
 from jlora.models.config import LlamaConfig
-from jlora.models.weights_cache import file_sha256, read_safetensors_mmap, write_safetensors
+from jlora.models.weights_cache import cache_root, env_enabled, file_sha256, read_safetensors_mmap, write_safetensors
 
 FORMAT_VERSION = 1
 TENSORS_FILE = "adapter.safetensors"
@@ -44,15 +44,11 @@ STORED_DTYPE = "float32"
 
 
 def cache_enabled() -> bool:
-    return os.environ.get("JLORA_ADAPTER_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_enabled("JLORA_ADAPTER_CACHE")
 
 
 def default_cache_dir() -> Path:
-    if os.environ.get("JLORA_ADAPTER_CACHE_DIR"):
-        return Path(os.environ["JLORA_ADAPTER_CACHE_DIR"])
-    if os.environ.get("JLORA_CACHE_DIR"):
-        return Path(os.environ["JLORA_CACHE_DIR"]).parent / "adapters"
-    return Path.home() / ".cache" / "jlora" / "adapters"
+    return cache_root("adapters", "JLORA_ADAPTER_CACHE_DIR")
 
 
 # ---- keys -------------------------------------------------------------------------------------------

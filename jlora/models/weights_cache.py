@@ -54,16 +54,26 @@ def _st_dtypes() -> dict[str, np.dtype]:
     return {**_ST_DTYPES, "BF16": np.dtype(ml_dtypes.bfloat16)}
 
 
+def env_enabled(var: str) -> bool:
+    """False when the environment variable `var` says off (0, false, no, off); on by default."""
+    return os.environ.get(var, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_root(name: str, override_var: str) -> Path:
+    """`$override_var`, else a `name` sibling of `$JLORA_CACHE_DIR`, else ~/.cache/jlora/`name`."""
+    if os.environ.get(override_var):
+        return Path(os.environ[override_var])
+    if os.environ.get("JLORA_CACHE_DIR"):
+        return Path(os.environ["JLORA_CACHE_DIR"]).parent / name
+    return Path.home() / ".cache" / "jlora" / name
+
+
 def cache_enabled() -> bool:
-    return os.environ.get("JLORA_WEIGHTS_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_enabled("JLORA_WEIGHTS_CACHE")
 
 
 def default_cache_dir() -> Path:
-    if os.environ.get("JLORA_WEIGHTS_CACHE_DIR"):
-        return Path(os.environ["JLORA_WEIGHTS_CACHE_DIR"])
-    if os.environ.get("JLORA_CACHE_DIR"):
-        return Path(os.environ["JLORA_CACHE_DIR"]).parent / "weights"
-    return Path.home() / ".cache" / "jlora" / "weights"
+    return cache_root("weights", "JLORA_WEIGHTS_CACHE_DIR")
 
 
 # ---- keys -------------------------------------------------------------------------------------------
