@@ -1,8 +1,8 @@
 """LLMEngine: continuous batching over a paged KV cache and a fixed set of adapter slots.
 
 `add_request` queues work, `step` runs one scheduling round as one device call: a decode token
-for every running sequence that is decoding (packed into the step's rows) plus the next
-prefill chunk of the oldest sequence still prefilling, sampled in the same graph.
+for every running sequence that is decoding (packed into the step's rows) plus a prefill part,
+the next chunks of the oldest sequences still prefilling, sampled in the same graph.
 `abort` drops a request and frees its KV blocks and slot pin.
 When a decoding sequence needs a KV block and none is free, the most recently admitted sequence
 is preempted: its blocks are freed and it is recomputed (prompt + tokens so far) when it is
