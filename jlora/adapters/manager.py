@@ -50,7 +50,7 @@ from jlora.adapters.peft import (
 )
 from jlora.adapters.request import LoRARequest
 from jlora.models.config import LlamaConfig
-from jlora.models.llama import LORA_MODULES, LoRAState, init_lora_state
+from jlora.models.llama import LORA_MODULES, LoRAState, host_zeros, init_lora_state
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +235,8 @@ class AdapterManager:
         self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         self.modules = tuple(modules)
-        self.lora_state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, dtype, self.modules)
+        self.lora_state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, dtype, self.modules,
+                                                     zeros=host_zeros)
         self._slots: list[_Slot | None] = [None] * max_loras
         self._host: collections.OrderedDict[_Version, LoRAAdapter] = collections.OrderedDict()
         self._current: dict[str, _Version] = {}  # name -> its newest version seen

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from jlora import compile_stats
 from jlora.engine.config import EngineConfig
-from jlora.models.llama import AttnGroup, Llama, LoRAState, init_cache
+from jlora.models.llama import AttnGroup, Llama, LoRAState, host_zeros, init_cache
 from jlora.sampling import build_sampling_batch, sample
 
 
@@ -33,7 +33,7 @@ class ModelRunner:
         # A flat list of arrays crosses the jit boundary fastest (NNX state flattens in Python).
         self._weights, self._weights_def = jax.tree.flatten(self.state)
         self.kv_dtype = kv_dtype or model.dtype
-        self.cache = init_cache(self.cfg, config.num_kv_blocks, config.block_size, self.kv_dtype)
+        self.cache = init_cache(self.cfg, config.num_kv_blocks, config.block_size, self.kv_dtype, zeros=host_zeros)
         self._step = jax.jit(self._step_impl, static_argnames=("lora_impl", "attn_chunk"), donate_argnames=("cache",))
         self._executables: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> compiled step
 

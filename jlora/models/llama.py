@@ -301,23 +301,29 @@ class Llama(nnx.Module):
         return self.logits(x), cache
 
 
-def init_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32) -> KVCache:
+def host_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Zeros made on the host and moved over: no XLA graph to compile (for start-up, outside jit)."""
+    return jax.device_put(np.zeros(shape, dtype))
+
+
+def init_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32,
+               zeros: Any = jnp.zeros) -> KVCache:
     """Zeroed KV cache {"k", "v": [L, NB, bs, KVH, Dh]}; `init_cache(cfg, batch, max_len)` is one
     region (block) per sequence, what a direct model call without block tables reads."""
     shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return {"k": zeros(shape, dtype), "v": zeros(shape, dtype)}
 
 
 def init_lora_state(
     cfg: LlamaConfig, max_loras: int, max_rank: int, dtype: Any = jnp.float32,
-    modules: tuple[str, ...] = LORA_MODULES,
+    modules: tuple[str, ...] = LORA_MODULES, zeros: Any = jnp.zeros,
 ) -> LoRAState:
     """Empty slots: per module {"A": [L, N, in, R], "B": [L, N, R, out]}, stacked like the weights
     so the decoder's layer scan slices them with its layer."""
     shapes = cfg.module_shapes()
     L = cfg.num_hidden_layers
     return {
-        m: {"A": jnp.zeros((L, max_loras, shapes[m][0], max_rank), dtype),
-            "B": jnp.zeros((L, max_loras, max_rank, shapes[m][1]), dtype)}
+        m: {"A": zeros((L, max_loras, shapes[m][0], max_rank), dtype),
+            "B": zeros((L, max_loras, max_rank, shapes[m][1]), dtype)}
         for m in modules
     }
