@@ -259,3 +259,9 @@ def test_graph_count_is_what_the_config_predicts(tiny_dir):
     prompts = [{"prompt_token_ids": rng.integers(0, 1000, int(n)).tolist()} for n in rng.integers(1, 100, 9)]
     llm.generate(prompts, [greedy(int(n)) for n in rng.integers(1, 20, 9)], use_tqdm=False)
     assert compile_stats.compile_count() == count
+
+
+def test_warmup_again_compiles_nothing(llm):
+    count = compile_stats.compile_count()
+    llm.warmup()
+    assert compile_stats.compile_count() == count

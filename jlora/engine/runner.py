@@ -80,6 +80,8 @@ class ModelRunner:
     def _compile(self, shapes: list[tuple[int, int, int]], lora_state: LoRAState | None, progress: bool = False) -> None:
         """Trace and lower each shape (Python, one at a time), then compile them on all cores at once:
         XLA compiles outside the GIL, and the step graphs do not depend on each other."""
+        if not shapes:
+            return
         lowered = {shape: self._step.lower(self._weights, lora_state, self.cache, jax.device_put(self.empty_batch(shape)),
                                            lora_impl=self.config.lora_impl, attn_chunk=self.config.attn_chunk)
                    for shape in shapes}
