@@ -240,6 +240,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from jlora.bench_start import main as start_main
 
         return start_main(args.rest)
+    if args.what == "adapters":
+        from jlora.bench_adapters import main as adapters_main
+
+        return adapters_main(args.rest)
     from jlora.bench import main as bench_main
 
     return bench_main(args.rest)
@@ -289,8 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks: `jlora bench` (end to end), `jlora bench start` (cold and warm "
-                                     "start-up), `jlora bench kernels` or `jlora bench serve`")
-    b.add_argument("what", nargs="?", default="e2e", choices=["e2e", "kernels", "start", "serve"])
+                                     "start-up), `jlora bench kernels`, `jlora bench serve` or `jlora bench adapters` (many "
+                                     "adapters, S-LoRA's experiment)")
+    b.add_argument("what", nargs="?", default="e2e", choices=["e2e", "kernels", "start", "serve", "adapters"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     return parser
@@ -304,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["convert"]:
         argv = ["convert", "--"] + argv[1:]
     if argv[:1] == ["bench"]:
-        what = argv[1] if argv[1:2] in (["kernels"], ["start"], ["serve"]) else "e2e"
+        what = argv[1] if argv[1:2] in (["kernels"], ["start"], ["serve"], ["adapters"]) else "e2e"
         argv = ["bench", what, "--"] + argv[1 + (what != "e2e"):]
     args = parser.parse_args(argv)
     if args.cmd in ("convert", "bench") and args.rest[:1] == ["--"]:

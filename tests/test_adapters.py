@@ -823,3 +823,65 @@ def test_host_cache_byte_bound_evicts_lru(adapters):
     for bad in (-1, 1.5, True, "1GB"):
         with pytest.raises(ValueError, match="max_cpu_lora_bytes"):
             AdapterManager(CFG, max_loras=1, max_lora_rank=8, max_cpu_lora_bytes=bad)
+
+
+# ---- conversion off the step loop's path ---------------------------------------------------------------
+
+
+def _blocking_reads(monkeypatch):
+    """Make the manager's conversions wait for `gate` (and count them), so a test can hold one open."""
+    import threading
+
+    from jlora.adapters import manager as manager_mod
+
+    gate, started, calls = threading.Event(), threading.Event(), []
+    real = manager_mod.read_adapter
+
+    def slow_read(*args, **kwargs):
+        calls.append(args[0])
+        started.set()
+        assert gate.wait(10), "test gate never opened"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(manager_mod, "read_adapter", slow_read)
+    return gate, started, calls
+
+
+def test_prepare_async_converts_without_blocking_acquire(adapters, monkeypatch):
+    mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8, max_cpu_loras=4)
+    s0 = mgr.acquire(_req(0, adapters))  # resident before the slow conversions begin
+    mgr.release(s0)
+    gate, started, calls = _blocking_reads(monkeypatch)
+    fut = mgr.prepare_async(_req(1, adapters))
+    twin = mgr.prepare_async(_req(1, adapters))  # the same version: converted once
+    assert started.wait(10) and not fut.done()
+    # While a1 converts, the step loop's calls on resident adapters go through at once.
+    assert mgr.acquire(_req(0, adapters)) == s0
+    mgr.release(s0)
+    gate.set()
+    handle = fut.result(10)
+    assert twin.result(10).adapter is handle.adapter and len(calls) == 1
+    s1 = mgr.acquire(_req(1, adapters), handle)
+    assert _slot_matches(mgr, s1, adapters[1]) and mgr.stats["conversions"] == 2
+    done = mgr.prepare_async(_req(1, adapters))  # already converted: a finished Future, no new work
+    assert done.done() and done.result().adapter is handle.adapter and len(calls) == 1
+
+
+def test_prepare_async_bad_adapter_fails_only_its_future(adapters, tmp_path):
+    mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=4, max_cpu_loras=4)
+    write_peft(tmp_path / "big", r=8)
+    (tmp_path / "torn").mkdir()
+    write_peft(tmp_path / "torn", r=2)
+    st = tmp_path / "torn" / "adapter_model.safetensors"
+    st.write_bytes(st.read_bytes()[:100])  # a truncated weights file
+    good = mgr.prepare_async(_req(0, adapters))
+    big = mgr.prepare_async(LoRARequest("big", 11, str(tmp_path / "big")))
+    torn = mgr.prepare_async(LoRARequest("torn", 12, str(tmp_path / "torn")))
+    with pytest.raises(ValueError, match="above max_lora_rank=4"):
+        big.result(10)
+    with pytest.raises(ValueError, match="torn"):
+        torn.result(10)
+    with pytest.raises(FileNotFoundError):  # a missing path is known at once
+        mgr.prepare_async(LoRARequest("gone", 13, str(tmp_path / "gone")))
+    slot = mgr.acquire(_req(0, adapters), good.result(10))
+    assert _slot_matches(mgr, slot, adapters[0]) and mgr.list_adapters() == ["a0"]

@@ -282,6 +282,41 @@ def test_runtime_adapter_loading_is_confined_to_the_lora_root(live, lora_root, t
     assert live.on_engine(lambda: "x" not in live.llm.engine.adapters.resident().values())
 
 
+def test_a_converting_adapter_does_not_stall_running_streams(live, monkeypatch):
+    """Adapters convert on a worker thread, not the engine's: while one is held mid-conversion, streams on
+    the base model and on an already converted adapter run to the end."""
+    client = live.client()
+    client.completions.create(model="a5", prompt=PROMPTS[1], max_tokens=2)  # a5 converted before the hold
+    gate, started = threading.Event(), threading.Event()
+    mgr = live.llm.engine.adapters
+    real = mgr._read_source  # conversion or a disk-cache read: every way an adapter reaches the host cache
+
+    def held_read(*args, **kwargs):
+        started.set()
+        assert gate.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mgr, "_read_source", held_read)
+    loaded: queue.Queue = queue.Queue()
+    loader = threading.Thread(target=lambda: loaded.put(live.http().post(
+        "/v1/load_lora_adapter", json={"lora_name": "held", "lora_path": "good"})))
+    loader.start()
+    try:
+        assert started.wait(30)
+        for model in ("tiny", "a5"):
+            ref = live.offline([PROMPTS[3]], None if model == "tiny" else model, 8)[0].outputs[0].text
+            chunks = client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=8, temperature=0.0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+        assert loader.is_alive() and loaded.empty()  # the load is still held, and nothing waited for it
+    finally:
+        gate.set()
+        loader.join(60)
+    assert loaded.get_nowait().status_code == 200
+    assert client.completions.create(model="held", prompt=PROMPTS[3], max_tokens=2).choices[0].text is not None
+    assert live.http().post("/v1/unload_lora_adapter", json={"lora_name": "held"}).status_code == 200
+
+
 def _engine_idle(live) -> bool:
     eng = live.llm.engine
     return live.on_engine(lambda: eng.kv.num_free == eng.config.num_kv_blocks and not eng.requests

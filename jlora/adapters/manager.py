@@ -28,6 +28,7 @@ is rejected (ValueError), since vLLM identifies adapters by that id.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -242,6 +243,8 @@ class AdapterManager:
         self._current: dict[str, _Version] = {}  # name -> its newest version seen
         self._clock = 0
         self._lock = threading.RLock()
+        self._converting: dict[_Version, concurrent.futures.Future] = {}  # conversions in flight (prepare)
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # prepare_async's thread, made on first use
         # disk_loads (host-cache misses: read from the disk cache or converted), conversions, host_hits,
         # host_evictions, disk_cache_hits / _misses / _rebuilds, slot_hits, slot_writes, evictions
         self.stats = collections.Counter()
@@ -294,16 +297,55 @@ class AdapterManager:
         to exactly this version, for `acquire(req, handle)`.
 
         Touches no slot. Raises ValueError / FileNotFoundError for a bad adapter, so a caller can
-        reject a request up front instead of when it is scheduled.
+        reject a request up front instead of when it is scheduled. The conversion runs without the
+        manager's lock, so another thread's `acquire`/`release` (the engine's step loop) never
+        waits for it; concurrent prepares of one version convert it once.
         """
         self._check_request(req)
+        version = self._version(req)
         with self._lock:
-            version = self._version(req)
             self._check_int_id(req)
-            resident = [s.adapter for s in self._slots if s is not None and s.version == version and s.adapter]
-            adapter = resident[0] if resident else self._load(version, req)
+            adapter = self._cached(version)
+            pending = None if adapter is not None else self._converting.get(version)
+            mine = adapter is None and pending is None
+            if mine:
+                pending = self._converting[version] = concurrent.futures.Future()
+        if adapter is None and not mine:
+            adapter = pending.result()  # another thread is converting it (its error is ours too)
+        elif mine:
+            try:
+                adapter = self._convert(version, req)
+            except BaseException as e:
+                with self._lock:
+                    del self._converting[version]
+                pending.set_exception(e)
+                raise
+            with self._lock:
+                del self._converting[version]
+                self._store(version, adapter)
+            pending.set_result(adapter)
+        with self._lock:
             self._current[req.lora_name] = version
-            return AdapterHandle(version, adapter)
+        return AdapterHandle(version, adapter)
+
+    def prepare_async(self, req: LoRARequest) -> concurrent.futures.Future:
+        """`prepare(req)` on the manager's background worker: a Future of the AdapterHandle, done at
+        once when the adapter is already converted. A missing path raises here; conversion errors
+        come out of the Future."""
+        self._check_request(req)
+        version = self._version(req)
+        with self._lock:
+            done = self._cached(version) is not None
+            if not done and self._worker is None:
+                self._worker = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jlora-adapters")
+        if done:
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                fut.set_result(self.prepare(req))
+            except Exception as e:  # e.g. a lora_int_id clash
+                fut.set_exception(e)
+            return fut
+        return self._worker.submit(self.prepare, req)
 
     def acquire(self, req: LoRARequest | None, handle: AdapterHandle | None = None,
                 protect: Collection[str] = ()) -> int:
@@ -472,25 +514,47 @@ class AdapterManager:
         return best
 
     def _load(self, version: _Version, req: LoRARequest) -> LoRAAdapter:
+        """The converted adapter from the host cache, else converted and cached (called under the lock)."""
+        adapter = self._cached(version)
+        if adapter is None:
+            adapter = self._convert(version, req)
+            self._store(version, adapter)
+        return adapter
+
+    def _cached(self, version: _Version) -> LoRAAdapter | None:
+        """`version` as already converted: a slot's host copy or the host cache (under the lock)."""
+        for s in self._slots:
+            if s is not None and s.version == version and s.adapter is not None:
+                return s.adapter
         adapter = self._host.get(version)
         if adapter is not None:
             self._host.move_to_end(version)
             self.stats["host_hits"] += 1
-            return adapter
+        return adapter
+
+    def _convert(self, version: _Version, req: LoRARequest) -> LoRAAdapter:
+        """Read (disk cache) or convert `req`'s adapter and check it fits; needs no lock."""
         adapter = self._read_source(version, req)
         extra = sorted(set(adapter.weights) - set(self.modules))
         if extra:
             where = "in memory" if req.in_memory else f"at {req.lora_path!r}"
             raise ValueError(f"adapter {req.lora_name!r} {where} targets modules {extra} that this "
                              f"engine's LoRA state does not hold ({list(self.modules)})")
-        self.stats["disk_loads"] += 1
-        if self.max_cpu_loras > 0:
+        self._count("disk_loads")
+        return adapter
+
+    def _store(self, version: _Version, adapter: LoRAAdapter) -> None:
+        """Put a converted adapter into the host cache (under the lock); older versions of its name leave."""
+        if self.max_cpu_loras > 0 and version not in self._host:
             for v in [v for v in self._host if v[0] == version[0] and v != version]:
-                self._host_drop(v)  # an older version of the same name
+                self._host_drop(v)
             self._host[version] = adapter
             self._host_bytes += adapter.nbytes
             self._evict_host()
-        return adapter
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.stats[key] += 1
 
     def _host_drop(self, version: _Version) -> None:
         self._host_bytes -= self._host.pop(version).nbytes
@@ -530,19 +594,19 @@ class AdapterManager:
             if entry.exists():
                 try:
                     adapter = dc.read_entry(entry, key, self.model_cfg, self.max_lora_rank, req.lora_name)
-                    self.stats["disk_cache_hits"] += 1
+                    self._count("disk_cache_hits")
                     return adapter
                 except (OSError, ValueError, KeyError, TypeError) as e:
                     logger.warning("adapter cache entry %s is damaged (%s); rebuilding it", entry, e)
-                    self.stats["disk_cache_rebuilds"] += 1
+                    self._count("disk_cache_rebuilds")
                     shutil.rmtree(entry, ignore_errors=True)
-            self.stats["disk_cache_misses"] += 1
+            self._count("disk_cache_misses")
         if req.in_memory:
             adapter = convert_peft_state_dict(req.tensors, req.config, self.model_cfg, self.max_lora_rank,
                                               name=req.lora_name, source=f"memory:{req.content_hash[:16]}")
         else:
             adapter = read_adapter(version[2], self.model_cfg, self.max_lora_rank, name=req.lora_name)
-        self.stats["conversions"] += 1
+        self._count("conversions")
         if key is not None and (req.in_memory or self._disk_key(req) == key):  # files unchanged while read
             try:
                 dc.write_entry(self.disk_cache_dir, key, adapter)

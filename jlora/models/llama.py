@@ -89,15 +89,23 @@ class RMSNorm(nnx.Module):
 def lora_linear(
     x: jax.Array,  # [T, in]
     kernel: jax.Array,  # [in, out]
-    lora: dict[str, jax.Array] | None,  # {"A": [N, in, R], "B": [N, R, out]} or None
+    lora: dict[str, jax.Array] | None,  # {"A": [N, in, R], "B": [N, R, out]}, or [L, ...] with `layer`; or None
     slot_ids: jax.Array,  # i32[T]
     lora_impl: str,
     enabled: jax.Array | None = None,  # bool scalar: False skips the LoRA term (no token has an adapter)
+    layer: jax.Array | None = None,  # i32 scalar: which layer of stacked [L, N, ...] slots to use
 ) -> jax.Array:  # [T, out]
     y = x @ kernel
     if lora is None:
         return y
-    with_delta = lambda: y + lora_delta(x, lora["A"], lora["B"], slot_ids, impl=lora_impl).astype(y.dtype)  # noqa: E731
+
+    def with_delta() -> jax.Array:
+        a, b = lora["A"], lora["B"]
+        if layer is not None:  # sliced here, inside the cond: a step without adapters never reads the slots
+            a = jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+            b = jax.lax.dynamic_index_in_dim(b, layer, 0, keepdims=False)
+        return y + lora_delta(x, a, b, slot_ids, impl=lora_impl).astype(y.dtype)
+
     return with_delta() if enabled is None else jax.lax.cond(enabled, with_delta, lambda: y)
 
 
@@ -232,13 +240,17 @@ class Llama(nnx.Module):
         # A batch with no adapter token skips the LoRA math (and reading the slots) in every layer.
         any_lora = jnp.any(slot_ids >= 0)
 
+        # The stacked slots are a loop constant, not a scanned input: scanning them would slice (and on
+        # XLA:CPU copy) every layer's [N, in, R] block each step, also when no token uses an adapter.
+        lora = lora_state or None
+        get = (lambda m: lora.get(m)) if lora is not None else (lambda m: None)  # noqa: E731
+
         def layer(carry, xs):
             x, ck, cv = carry
-            w, lora, i = xs
-            get = (lambda m: lora.get(m)) if lora is not None else (lambda m: None)  # noqa: E731
+            w, i = xs
 
             def linear(h: jax.Array, name: str) -> jax.Array:
-                return lora_linear(h, w[name], get(name), slot_ids, lora_impl, enabled=any_lora)
+                return lora_linear(h, w[name], get(name), slot_ids, lora_impl, enabled=any_lora, layer=i)
 
             y = rms_norm(x, w["input_layernorm"], eps)
             q = linear(y, "q_proj").reshape(-1, h, dh)
@@ -262,7 +274,7 @@ class Llama(nnx.Module):
             return (x, ck, cv), None
 
         x = self.embed_tokens[...][tokens]
-        xs = (self.layers.weights(), lora_state or None, jnp.arange(cfg.num_hidden_layers))
+        xs = (self.layers.weights(), jnp.arange(cfg.num_hidden_layers))
         (x, ck, cv), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]), xs)
         return x, {"k": ck, "v": cv}
 

@@ -112,7 +112,7 @@ class OpenAIServer:
         lr = LoRARequest(name, next(self._lora_ids), str(self.confined_path(body.lora_path)))
         adapters = self.llm.engine.adapters
         try:
-            await asyncio.wrap_future(self.engine.call(lambda: adapters.prepare(lr)))
+            await asyncio.wrap_future(adapters.prepare_async(lr))  # off the engine thread
         except (ValueError, FileNotFoundError, ImportError, OSError) as e:
             raise APIError(400, f"could not load adapter {name!r}: {e}", param="lora_path") from e
         if name in self.adapters:  # a concurrent load of the same name won
