@@ -74,12 +74,10 @@ def draw_adapters(k: int, n: int, popularity: str, rng: np.random.Generator) -> 
 
 
 def _stats_delta(llm: Any, before: dict[str, int]) -> dict[str, int]:
+    """Adapter counters moved since `before`. Runs share one disk cache (as engines on one machine
+    would), so an adapter converted in an earlier run is a disk-cache hit in a later one."""
     now = llm.engine.adapters.stats
     return {k: now[k] - before.get(k, 0) for k in ("conversions", "disk_cache_hits", "slot_writes", "evictions")}
-
-
-# Runs share one disk cache (as engines on one machine would): an adapter converted in an earlier run
-# is read from it in a later one, so the table shows both counts.
 
 
 def run_queued(llm: Any, prompts: list[list[int]], loras: list[Any], params: Any) -> dict[str, Any]:

@@ -96,3 +96,20 @@ def test_second_engine_reads_converted_adapters_from_disk(llm, tiny_dir, tiny_ad
     assert st["disk_cache_hits"] == 2 and st["conversions"] == 0, dict(st)
     with pytest.raises(ValueError, match="max_cpu_lora_bytes"):
         LLM(str(tiny_dir[0]), progress=False, max_cpu_lora_bytes=-1, **ENGINE)
+
+
+def test_add_request_with_a_prepared_handle_converts_nothing(llm, tiny_adapters):
+    eng = llm.engine
+    lora = LoRARequest("handled", 401, str(tiny_adapters[3]))
+    handle = eng.adapters.prepare_async(lora).result(30)
+    conversions, loads = eng.adapters.stats["conversions"], eng.adapters.stats["disk_loads"]
+    other = LoRARequest("other-name", 402, str(tiny_adapters[3]))
+    with pytest.raises(ValueError, match="lora_handle is for adapter 'handled'"):
+        eng.add_request(PROMPTS[0], GREEDY, other, lora_handle=handle)
+    assert not eng.has_unfinished()
+    rid = eng.add_request(PROMPTS[0], GREEDY, lora, lora_handle=handle)
+    while not eng.requests[rid].finished:
+        eng.step()
+    out = eng.pop_finished(rid)
+    assert (eng.adapters.stats["conversions"], eng.adapters.stats["disk_loads"]) == (conversions, loads)
+    assert out.outputs[0].token_ids == tokens(llm, lora)[0]

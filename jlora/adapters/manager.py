@@ -335,7 +335,7 @@ class AdapterManager:
         self._check_request(req)
         version = self._version(req)
         with self._lock:
-            done = self._cached(version) is not None
+            done = self._cached(version, touch=False) is not None
             if not done and self._worker is None:
                 self._worker = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jlora-adapters")
         if done:
@@ -521,13 +521,14 @@ class AdapterManager:
             self._store(version, adapter)
         return adapter
 
-    def _cached(self, version: _Version) -> LoRAAdapter | None:
-        """`version` as already converted: a slot's host copy or the host cache (under the lock)."""
+    def _cached(self, version: _Version, touch: bool = True) -> LoRAAdapter | None:
+        """`version` as already converted: a slot's host copy or the host cache (under the lock).
+        `touch`: count a host-cache hit and mark it recently used."""
         for s in self._slots:
             if s is not None and s.version == version and s.adapter is not None:
                 return s.adapter
         adapter = self._host.get(version)
-        if adapter is not None:
+        if adapter is not None and touch:
             self._host.move_to_end(version)
             self.stats["host_hits"] += 1
         return adapter

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jlora.adapters.manager import AdapterManager, NoFreeSlotError
+from jlora.adapters.manager import AdapterHandle, AdapterManager, NoFreeSlotError
 from jlora.adapters.request import LoRARequest
 from jlora.engine.blocks import BlockAllocator
 from jlora.engine.config import EngineConfig, bucket_for
@@ -55,8 +55,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
         request_id: str | None = None,
+        lora_handle: AdapterHandle | None = None,
     ) -> str:
-        """Validate and queue one request. Raises ValueError/FileNotFoundError for bad input, queuing nothing."""
+        """Validate and queue one request. Raises ValueError/FileNotFoundError for bad input, queuing nothing.
+
+        `lora_handle`: `lora_request`'s adapter as already converted (`adapters.prepare` or
+        `prepare_async`), so nothing is converted here, on the stepping thread."""
         params = params or SamplingParams()
         prompt_text, ids = self._tokenize(prompt)
         limit = self.config.max_model_len
@@ -69,8 +73,11 @@ class LLMEngine:
         if lora_request is not None:
             if not isinstance(lora_request, LoRARequest):
                 raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
-            # Converts now (raises on a bad adapter); the request keeps this version to the end.
-            handle = self.adapters.prepare(lora_request)
+            if lora_handle is not None and lora_handle.version[0] != lora_request.lora_name:
+                raise ValueError(f"lora_handle is for adapter {lora_handle.version[0]!r}, the request names "
+                                 f"{lora_request.lora_name!r}")
+            # Converts now unless given (raises on a bad adapter); the request keeps this version to the end.
+            handle = lora_handle or self.adapters.prepare(lora_request)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable
 
 from jlora import compile_stats
+from jlora.adapters.manager import AdapterHandle
 from jlora.adapters.request import LoRARequest
 from jlora.outputs import RequestOutput
 from jlora.sampling import SamplingParams
@@ -77,9 +78,10 @@ class EngineThread:
 
     def submit(self, request_ids: list[str], prompts: list[dict[str, Any]], params: SamplingParams,
                lora: LoRARequest | None, callback: Callable[[Update], None],
-               received: float) -> concurrent.futures.Future:
-        """Queue one engine request per prompt, all or none (ValueError names what was wrong)."""
-        return self.call(lambda: self._submit(request_ids, prompts, params, lora, callback, received))
+               received: float, lora_handle: AdapterHandle | None = None) -> concurrent.futures.Future:
+        """Queue one engine request per prompt, all or none (ValueError names what was wrong).
+        `lora_handle`: `lora` as converted off this thread (`adapters.prepare_async`)."""
+        return self.call(lambda: self._submit(request_ids, prompts, params, lora, callback, received, lora_handle))
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort and drop requests (a client went away); their KV blocks and slot pins are freed."""
@@ -164,13 +166,14 @@ class EngineThread:
                 fut.set_exception(ShuttingDown("the server is shutting down"))
 
     def _submit(self, request_ids: list[str], prompts: list[dict[str, Any]], params: SamplingParams,
-                lora: LoRARequest | None, callback: Callable[[Update], None], received: float) -> None:
+                lora: LoRARequest | None, callback: Callable[[Update], None], received: float,
+                lora_handle: AdapterHandle | None = None) -> None:
         if self._stopping:
             raise ShuttingDown("the server is shutting down")
         eng, added = self.engine, []
         try:
             for rid, prompt in zip(request_ids, prompts):
-                added.append(eng.add_request(prompt, params, lora, request_id=rid))
+                added.append(eng.add_request(prompt, params, lora, request_id=rid, lora_handle=lora_handle))
         except Exception:
             for rid in added:  # all or none: a bad prompt leaves the engine as it was
                 eng.abort(rid)

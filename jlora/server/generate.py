@@ -124,15 +124,16 @@ class Generation:
         def callback(u: Update) -> None:  # runs on the engine thread
             loop.call_soon_threadsafe(self.queue.put_nowait, u)
 
+        handle = None
         if lora is not None:  # converted off the engine thread, so running requests never wait for it
             try:
-                await asyncio.wrap_future(self.engine.engine.adapters.prepare_async(lora))
+                handle = await asyncio.wrap_future(self.engine.engine.adapters.prepare_async(lora))
             except (ValueError, FileNotFoundError, OSError) as e:  # nothing was queued
                 self.pending.clear()
                 raise APIError(400, f"could not load adapter {lora.lora_name!r}: {e}", param="model") from e
         try:
             await asyncio.wrap_future(self.engine.submit(self.request_ids, prompts, params, lora, callback,
-                                                         self.received))
+                                                         self.received, handle))
         except (ValueError, FileNotFoundError) as e:  # nothing was queued
             self.pending.clear()
             raise APIError(400, str(e)) from e
