@@ -11,7 +11,7 @@ __all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionO
 
 # Loaded on first use: SamplingParams and LLM pull in JAX, and `jlora --help`, `jlora --version` or
 # `import jlora.defaults` should not pay for it.
-_LAZY = {"LLM": "jlora.llm", "LoRARequest": "jlora.adapters.request", "SamplingParams": "jlora.sampling",
+_LAZY = {"LLM": "jlora.llm", "LoRARequest": "jlora.adapters.request", "SamplingParams": "jlora.sampling_params",
          "RequestOutput": "jlora.outputs", "CompletionOutput": "jlora.outputs"}
 
 

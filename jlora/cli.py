@@ -139,26 +139,17 @@ class _Out:
 _stdout: _Out | None = None  # the open stream of the running command, closed by main() on an error
 
 
-def check_sampling_args(args: argparse.Namespace) -> None:
-    """The sampling flags, checked in flag words without importing JAX (SamplingParams does)."""
-    check_max_tokens(args.max_tokens)
-    if not args.temperature >= 0:
-        raise CLIError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k < -1:
-        raise CLIError(f"--top-k must be >= -1 (-1 or 0 = off), got {args.top_k}")
-    if args.seed is not None and not 0 <= args.seed < 2**32:
-        raise CLIError(f"--seed must be in [0, 2**32), got {args.seed}")
-
-
 def sampling_params(args: argparse.Namespace):
-    """The command line's SamplingParams (any error left over is put in flag words by main())."""
-    check_sampling_args(args)
-    from jlora import SamplingParams
+    """The command line's SamplingParams, checked by SamplingParams itself (no JAX import) and
+    reported in flag words: `--top-k=...: must be an int in [-1, 2147483647]`."""
+    check_max_tokens(args.max_tokens)
+    from jlora.sampling_params import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.seed)
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_tokens=args.max_tokens, seed=args.seed)
+    except ValueError as e:
+        raise CLIError(_cli_words(str(e), set())) from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -168,11 +159,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not prompt.strip():
             which = "the prompt" if len(args.prompt) == 1 else f"prompt {i + 1}"
             raise CLIError(f"{which} is empty")
-    check_sampling_args(args)
+    params = sampling_params(args)
     if args.lora:
         check_adapter(args.lora)
     kwargs = engine_kwargs(args)
-    params = sampling_params(args)
 
     from jlora import LoRARequest
 

@@ -90,6 +90,8 @@ class LLM:
         decode_row_buckets: Seq[int] | None = None,
         scheduling_policy: str = ENGINE_DEFAULTS["scheduling_policy"],
         max_overtakes: int = ENGINE_DEFAULTS["max_overtakes"],
+        max_n: int = ENGINE_DEFAULTS["max_n"],
+        max_waiting_seqs: int | None = ENGINE_DEFAULTS["max_waiting_seqs"],
         num_kv_blocks: int | None = None,
         warmup: bool = True,
         compilation_cache_dir: str | os.PathLike | None = None,
@@ -110,7 +112,7 @@ class LLM:
             max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, token_buckets=token_buckets,
             attn_chunk=attn_chunk, block_size=block_size, scheduling_policy=scheduling_policy,
             decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
-            max_overtakes=max_overtakes,
+            max_overtakes=max_overtakes, max_n=max_n, max_waiting_seqs=max_waiting_seqs,
             num_kv_blocks=num_kv_blocks)
         path = resolve_model_path(model)  # a missing model path fails here, before anything is read
         t_checked = time.perf_counter()

@@ -23,7 +23,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" (RequestOutput.error says why)
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     lora_name: str | None = None
     logprobs: list[dict[int, float]] | None = None  # per generated token: top-n ids -> logprob, plus the chosen one
@@ -43,3 +43,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     lora_name: str | None = None
+    error: str | None = None  # set when the engine failed this request (finish_reason "error")

@@ -1,4 +1,4 @@
-"""SamplingParams (vLLM-shaped) and the jitted per-row sampler.
+"""The jitted per-row sampler (SamplingParams and its bounds live in `jlora.sampling_params`).
 
 Every per-request setting becomes a row of an array, so one compiled sampler per batch bucket
 serves any mix of greedy and sampled rows. The expensive parts (a full-vocabulary sort for
@@ -14,81 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MAX_LOGPROBS = 20  # top-n logprobs per token: n is per request, the array width is static
-MAX_BANNED = 8  # EOS plus stop_token_ids suppressed before min_tokens
+from jlora.sampling_params import MAX_BANNED, MAX_LOGPROBS, SamplingParams
 
-
-@dataclasses.dataclass
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0) = no top-k
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # >1 discourages tokens seen in the prompt or output
-    presence_penalty: float = 0.0  # subtracted once from tokens already generated
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
-    n: int = 1
-
-    def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
-
-        def is_num(v: object) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
-
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not is_num(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be a number >= 0 (0 = greedy)")
-        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "must be an int >= -1 (-1 or 0 disables top-k)")
-        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0 (1 = off)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not is_num(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
-                raise bad(name, "must be in [-2, 2]")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an int >= 1 or None")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an int >= 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**32):
-            raise bad("seed", "must be None or an int in [0, 2**32)")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", "must be an int >= 1")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of non-negative ints")
-        if len(self.stop_token_ids) >= MAX_BANNED:
-            raise bad("stop_token_ids", f"at most {MAX_BANNED - 1} ids are supported")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def uses_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+__all__ = ["SamplingParams", "SamplingRow", "build_sampling_batch", "empty_sampling_batch", "fill_sampling_row",
+           "sample", "MAX_LOGPROBS", "MAX_BANNED"]
 
 
 @dataclasses.dataclass
@@ -102,37 +31,43 @@ class SamplingRow:
     eos_token_id: int | None
 
 
+def empty_sampling_batch(bucket: int, history_len: int) -> dict[str, np.ndarray]:
+    """Host arrays for `sample` with every row greedy padding; `fill_sampling_row` sets one row."""
+    return dict(
+        temperature=np.zeros((bucket,), np.float32), top_k=np.zeros((bucket,), np.int32),
+        top_p=np.ones((bucket,), np.float32), min_p=np.zeros((bucket,), np.float32),
+        repetition_penalty=np.ones((bucket,), np.float32), presence_penalty=np.zeros((bucket,), np.float32),
+        frequency_penalty=np.zeros((bucket,), np.float32), seeds=np.zeros((bucket,), np.uint32),
+        counters=np.zeros((bucket,), np.int32), banned=np.full((bucket, MAX_BANNED), -1, np.int32),
+        history=np.full((bucket, history_len), -1, np.int32), n_prompt=np.zeros((bucket,), np.int32),
+        want_logprobs=np.zeros((bucket,), bool))
+
+
+def fill_sampling_row(batch: dict[str, np.ndarray], b: int, r: SamplingRow) -> None:
+    """Row `b` of `batch` from one sequence. Raises (OverflowError, ValueError) only for this row's
+    values, so the engine can fail the one request instead of the step."""
+    p = r.params
+    batch["temperature"][b], batch["top_k"][b] = p.temperature, max(p.top_k, 0)
+    batch["top_p"][b], batch["min_p"][b] = p.top_p, p.min_p
+    batch["repetition_penalty"][b] = p.repetition_penalty
+    batch["presence_penalty"][b], batch["frequency_penalty"][b] = p.presence_penalty, p.frequency_penalty
+    batch["seeds"][b], batch["counters"][b] = r.seed, len(r.output_ids)
+    batch["want_logprobs"][b] = p.logprobs is not None
+    if len(r.output_ids) < p.min_tokens:
+        ban = ([] if p.ignore_eos or r.eos_token_id is None else [r.eos_token_id]) + p.stop_token_ids
+        batch["banned"][b, : len(ban)] = ban
+    if p.uses_penalties:  # the history only matters to rows with penalties
+        ids = r.prompt_ids + r.output_ids
+        batch["history"][b, : len(ids)] = ids
+        batch["n_prompt"][b] = len(r.prompt_ids)
+
+
 def build_sampling_batch(rows: dict[int, SamplingRow], bucket: int, history_len: int) -> dict[str, np.ndarray]:
     """Host arrays for `sample`, one row per batch position (missing rows are greedy padding)."""
-    temperature = np.zeros((bucket,), np.float32)
-    top_k = np.zeros((bucket,), np.int32)
-    top_p = np.ones((bucket,), np.float32)
-    min_p = np.zeros((bucket,), np.float32)
-    rep = np.ones((bucket,), np.float32)
-    presence = np.zeros((bucket,), np.float32)
-    frequency = np.zeros((bucket,), np.float32)
-    seeds = np.zeros((bucket,), np.uint32)
-    counters = np.zeros((bucket,), np.int32)
-    banned = np.full((bucket, MAX_BANNED), -1, np.int32)
-    history = np.full((bucket, history_len), -1, np.int32)
-    n_prompt = np.zeros((bucket,), np.int32)
-    want_logprobs = np.zeros((bucket,), bool)
+    batch = empty_sampling_batch(bucket, history_len)
     for b, r in rows.items():
-        p = r.params
-        temperature[b], top_k[b], top_p[b], min_p[b] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
-        rep[b], presence[b], frequency[b] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        seeds[b], counters[b] = r.seed, len(r.output_ids)
-        want_logprobs[b] = p.logprobs is not None
-        if len(r.output_ids) < p.min_tokens:
-            ban = ([] if p.ignore_eos or r.eos_token_id is None else [r.eos_token_id]) + p.stop_token_ids
-            banned[b, : len(ban)] = ban
-        if p.uses_penalties:  # the history only matters to rows with penalties
-            ids = r.prompt_ids + r.output_ids
-            history[b, : len(ids)] = ids
-            n_prompt[b] = len(r.prompt_ids)
-    return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
-                presence_penalty=presence, frequency_penalty=frequency, seeds=seeds, counters=counters,
-                banned=banned, history=history, n_prompt=n_prompt, want_logprobs=want_logprobs)
+        fill_sampling_row(batch, b, r)
+    return batch
 
 
 def _apply_penalties(logits, history, n_prompt, rep, presence, frequency):  # f32[B, V] -> f32[B, V]

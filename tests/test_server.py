@@ -20,44 +20,15 @@ import pytest
 
 from jlora import LLM, SamplingParams, compile_stats
 from jlora.server.app import build_app
-from jlora.server.serve import bind, make_server
+from live import KEY, serve_live
 
 # Only sizes every engine version takes (the tiny model compiles its graphs in a second or two).
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_loras=2, max_lora_rank=8,
               token_buckets=(16, 32))
-KEY = "sk-test-key"
 ADAPTERS = [f"a{i}" for i in range(8)]  # served from the start; 8 adapters through 2 slots
 PROMPTS = ["Hello there", "Once upon a time", "1 2 3 4", "The quick brown fox", "Dear diary,", "In the beginning",
            "Roses are red", "Knock knock"]
 REPO = Path(__file__).resolve().parents[1]
-
-
-class Live:
-    """A running server and handles to its inside (engine calls go through the engine thread)."""
-
-    def __init__(self, llm, app, base_url: str):
-        self.llm, self.app, self.base_url = llm, app, base_url
-        self.srv = app.state.server
-        self.model_id = self.srv.model_id
-
-    def on_engine(self, fn, timeout: float = 60.0):
-        return self.srv.engine.call(fn).result(timeout)
-
-    def offline(self, prompts, model: str | None, max_tokens: int, chat: bool = False) -> list:
-        """LLM.generate / LLM.chat with the adapter's LoRARequest, run on the engine thread (greedy)."""
-        lora = self.srv.adapters.get(model) if model else None
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        if chat:
-            return self.on_engine(lambda: self.llm.chat(prompts, params, lora, use_tqdm=False))
-        return self.on_engine(lambda: self.llm.generate(prompts, params, lora, use_tqdm=False))
-
-    def client(self, key: str = KEY, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=key, max_retries=0, timeout=60,
-                             http_client=httpx.Client(trust_env=False), **kw)
-
-    def http(self, timeout: httpx.Timeout | float = 60) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=timeout,
-                            trust_env=False)
 
 
 @pytest.fixture(scope="module")
@@ -79,18 +50,8 @@ def live(tiny_dir, tiny_adapters, lora_root):
     llm = LLM(str(tiny_dir[0]), progress=False, **ENGINE)
     app = build_app(llm, "tiny", lora_modules={n: str(tiny_adapters[i]) for i, n in enumerate(ADAPTERS)},
                     api_key=KEY, enable_runtime_lora_updating=True, lora_root=lora_root)
-    sock = bind("127.0.0.1", 0)
-    server = make_server(app, "127.0.0.1", 0, shutdown_timeout=5, log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    yield Live(llm, app, f"http://127.0.0.1:{sock.getsockname()[1]}")
-    server.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive()
+    with serve_live(llm, app) as live:
+        yield live
 
 
 def test_models_list(live):
@@ -236,6 +197,28 @@ def test_bad_requests_are_refused_and_the_others_carry_on(live, tiny_adapters):
             live.client().completions.create(model="nope", prompt="x")
         with pytest.raises(openai.BadRequestError):
             live.client().completions.create(model="tiny", prompt="x", temperature=-1)
+        # Values past what the sampler's arrays hold (these used to crash the step for everyone).
+        vocab = live.llm.model.cfg.vocab_size
+        for field, value in [("top_k", 2**31), ("top_k", 2**33), ("top_k", vocab + 1), ("temperature", 1e308),
+                             ("repetition_penalty", 1e308), ("n", 10_000), ("n", 2**40), ("seed", 2**64),
+                             ("stop_token_ids", [2**33]), ("stop_token_ids", [vocab]), ("min_tokens", 2**40),
+                             ("logprobs", 21), ("best_of", 2**40), ("top_p", 0.0), ("stream", 1)]:
+            err = _error(http.post("/v1/completions", json={**ok, field: value}), 400)
+            assert err["param"].split(".")[0] == field, (field, value, err)
+        raw = b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}'  # a lone surrogate, as JSON escapes it
+        err = _error(http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"}), 400)
+        assert err["param"] == "prompt" and "UTF-8" in err["message"]
+        raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}'
+        err = _error(http.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}), 400)
+        assert err["param"].startswith("messages")
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        err = _error(http.post("/v1/chat/completions", json={**chat, "logprobs": 0}), 400)  # a bool in the API
+        assert err["param"] == "logprobs"
+        err = _error(http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}), 400)
+        assert err["param"] == "response_format"
+        assert http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}}).status_code == 200
+        wrong_method = http.get("/v1/completions")
+        assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
         text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in bystander.iter_lines()
                        if line.startswith("data: {"))
     assert text == ref
@@ -317,19 +300,8 @@ def test_a_converting_adapter_does_not_stall_running_streams(live, monkeypatch):
     assert live.http().post("/v1/unload_lora_adapter", json={"lora_name": "held"}).status_code == 200
 
 
-def _engine_idle(live) -> bool:
-    eng = live.llm.engine
-    return live.on_engine(lambda: eng.kv.num_free == eng.config.num_kv_blocks and not eng.requests
-                          and not eng.has_unfinished()
-                          and all(eng.adapters.pins(s) == 0 for s in range(live.llm.config.max_loras)
-                                  if hasattr(eng.adapters, "pins")))
-
-
 def _wait_idle(live, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not _engine_idle(live):
-        assert time.monotonic() < deadline, "the aborted request still holds resources"
-        time.sleep(0.05)
+    live.wait_idle(timeout)
 
 
 def _metric(live, name: str) -> float:
@@ -356,8 +328,8 @@ def test_client_disconnect_aborts_and_frees_resources(live):
 
 
 def test_metrics(live):
-    _error(httpx.get(live.base_url + "/metrics", trust_env=False), 401)
-    text = live.http().get("/metrics").text
+    # Open by default, as vLLM's (`--metrics-auth` puts it behind the key: tests/test_server_limits.py).
+    text = httpx.get(live.base_url + "/metrics", trust_env=False).text
     for name in ["jlora_requests_total", "jlora_prompt_tokens_total", "jlora_generation_tokens_total",
                  "jlora_time_to_first_token_seconds_bucket", "jlora_time_per_output_token_seconds_bucket",
                  "jlora_num_requests_running", "jlora_num_requests_waiting", "jlora_kv_blocks_used",

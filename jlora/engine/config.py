@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jlora.sampling_params import DEFAULT_MAX_N
+
 
 def geometric_buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
     """lo, lo*factor, ... below hi, then hi itself: few graphs, bounded padding."""
@@ -43,6 +45,10 @@ class EngineConfig:
     decode_row_buckets: tuple[int, ...] | None = None
     scheduling_policy: str = "adapter_aware"  # or "fcfs": see LLMEngine._admit
     max_overtakes: int = 16  # adapter_aware: how often a waiting sequence may be passed over
+    max_n: int = DEFAULT_MAX_N  # samples per request (SamplingParams.n): n sequences are queued at once
+    # Sequences waiting for admission; past it add_request raises QueueFullError. None: unbounded
+    # (an offline LLM.generate queues its whole list); the server sets a bound.
+    max_waiting_seqs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_loras",
@@ -52,6 +58,12 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"EngineConfig.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
+        if not isinstance(self.max_n, int) or isinstance(self.max_n, bool) or self.max_n < 1:
+            raise ValueError(f"EngineConfig.max_n must be a positive int, got {self.max_n!r}")
+        w = self.max_waiting_seqs
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < self.max_n):
+            raise ValueError(f"EngineConfig.max_waiting_seqs must be None or an int >= max_n={self.max_n} "
+                             f"(one request of n samples must fit), got {w!r}")
         if not isinstance(self.max_overtakes, int) or self.max_overtakes < 0:
             raise ValueError(f"EngineConfig.max_overtakes must be an int >= 0, got {self.max_overtakes!r}")
         if self.max_cpu_loras < self.max_loras:

@@ -4,6 +4,11 @@
 for every running sequence that is decoding (packed into the step's rows) plus a prefill part,
 the next chunks of the oldest sequences still prefilling, sampled in the same graph.
 `abort` drops a request and frees its KV blocks and slot pin.
+
+No request can hurt another: every field is checked at `add_request`; a row that still fails to
+build on the host fails only its own request (finish_reason "error", `RequestOutput.error`); and a
+device step that raises is retried without blame falling on bystanders: its requests run one at a
+time until the one that fails again is found and failed alone (`_suspects`).
 When a decoding sequence needs a KV block and none is free, the most recently admitted sequence
 is preempted: its blocks are freed and it is recomputed (prompt + tokens so far) when it is
 admitted again, so nothing is dropped and greedy outputs do not change.
@@ -11,11 +16,13 @@ admitted again, so nothing is dropped and greedy outputs do not change.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import random
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -26,7 +33,19 @@ from jlora.engine.config import EngineConfig, bucket_for
 from jlora.engine.runner import ModelRunner
 from jlora.engine.sequence import Request, Sequence, SeqState
 from jlora.outputs import RequestOutput
-from jlora.sampling import SamplingParams, SamplingRow, build_sampling_batch
+from jlora.sampling import SamplingParams, SamplingRow, fill_sampling_row
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `EngineConfig.max_waiting_seqs`; try again later (HTTP 429)."""
+
+
+class _RowFailed(Exception):
+    def __init__(self, seq: Sequence, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.seq = seq
+
+log = logging.getLogger("jlora.engine")
 
 STEP_COST_TOKENS = 64  # a step's weight pass costs about as much as this many tokens' compute (SmolLM2, 2 cores)
 
@@ -44,6 +63,10 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self.kv = BlockAllocator(config.num_kv_blocks)
         self.num_preemptions = 0
+        self.num_failed_steps = 0  # device steps that raised (their requests were retried one by one)
+        # Requests of a step that raised, oldest first: each runs alone for one step, and the one that
+        # fails alone is failed; the rest go back to batching.
+        self._suspects: deque[str] = deque()
         self._ids = itertools.count()
         self._seed_rng = random.Random()
 
@@ -62,6 +85,13 @@ class LLMEngine:
         `lora_handle`: `lora_request`'s adapter as already converted (`adapters.prepare` or
         `prepare_async`), so nothing is converted here, on the stepping thread."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.check_for_engine(self.runner.cfg.vocab_size, self.config.max_n)
+        cap = self.config.max_waiting_seqs
+        if cap is not None and len(self.waiting) + params.n > cap:
+            raise QueueFullError(f"{len(self.waiting)} sequences are waiting and this request adds {params.n}; "
+                                 f"max_waiting_seqs={cap}")
         prompt_text, ids = self._tokenize(prompt)
         limit = self.config.max_model_len
         if len(ids) >= limit:
@@ -112,12 +142,20 @@ class LLMEngine:
         return text, ids
 
     def abort(self, request_id: str) -> None:
+        self._fail_request(request_id, "abort")
+
+    def _fail_request(self, request_id: str, reason: str, error: str | None = None) -> None:
+        """Finish every unfinished sequence of a request with `reason` ("abort" or "error"), in time
+        linear in its sequences: its waiting ones leave the queue in one pass."""
         req = self.requests.get(request_id)
-        if req is None:
+        if req is None or req.finished:
             return
+        if error is not None:
+            req.error = error
+        if any(s.state is SeqState.WAITING for s in req.seqs):
+            self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
         for seq in req.seqs:
-            if seq.state is not SeqState.FINISHED:
-                self._finish(seq, "abort")
+            self._finish(seq, reason, in_queue=False)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -189,14 +227,20 @@ class LLMEngine:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)  # victims go latest-first, so FIFO order is kept
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None, *,
+                in_queue: bool = True) -> None:
+        """in_queue=False: a waiting `seq` has already been taken out of the queue."""
+        if seq.state is SeqState.FINISHED:
+            return
         if seq.state is SeqState.WAITING:
-            self.waiting.remove(seq)
-        elif seq.state is not SeqState.FINISHED:
+            if in_queue:
+                self.waiting.remove(seq)
+        else:
             self._release(seq)
         seq.state = SeqState.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         req = self.requests[seq.request_id]
+        req.num_unfinished -= 1
         if req.finished:
             req.metrics.finished_time = time.time()
 
@@ -206,40 +250,101 @@ class LLMEngine:
         """One scheduling round, one device call. Returns the requests that changed (state so far)."""
         self._reserve_decode_blocks()  # running sequences first: admission gets what is left
         self._admit()
-        decoding = [s for s in self.running if s.state is SeqState.DECODE]
-        prefilling = [s for s in self.running if s.state is SeqState.PREFILL]
-        if not decoding and not prefilling:
-            return []
+        touched: dict[str, Request] = {}
+        while True:  # a sequence whose row cannot be built fails alone; the rest are packed again
+            decoding, prefilling = self._schedulable()
+            if not decoding and not prefilling:
+                return [req.to_output() for req in touched.values()]
+            try:
+                batch, rows, advances = self._build_batch(decoding, prefilling)
+                break
+            except _RowFailed as f:
+                log.warning("request %s failed on the host: %s", f.seq.request_id, f)
+                self._fail(f.seq.request_id, str(f), touched)
+        involved = list(dict.fromkeys(s.request_id for s in itertools.chain(rows.values(), (a[0] for a in advances))))
+        try:
+            out = self.runner.step(self.adapters.lora_state, batch)
+        except Exception as e:
+            self._step_failed(e, involved, touched)
+            return [req.to_output() for req in touched.values()]
+        if self._suspects and involved == [self._suspects[0]]:
+            self._suspects.popleft()  # it ran alone and the step did not raise: not the culprit
+        for s, n in advances:  # only now: a step that raised computed nothing
+            s.num_computed += n
+        self._append_sampled(out, rows, touched)
+        return [req.to_output() for req in touched.values()]
+
+    def _schedulable(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences this step may carry (decoding, prefilling). While a failed step's
+        requests are being retried, the oldest of them runs alone if it is running; otherwise the
+        sequences of requests not under suspicion run (so the queue keeps moving)."""
+        while self._suspects and (self._suspects[0] not in self.requests or self.requests[self._suspects[0]].finished):
+            self._suspects.popleft()
+        running = self.running
+        if self._suspects:
+            solo = [s for s in running if s.request_id == self._suspects[0]]
+            suspects = set(self._suspects)
+            running = solo or [s for s in running if s.request_id not in suspects]
+        return ([s for s in running if s.state is SeqState.DECODE],
+                [s for s in running if s.state is SeqState.PREFILL])
+
+    def _build_batch(self, decoding: list[Sequence], prefilling: list[Sequence]):
+        """The step's host arrays, the sequence sampled at each row, and the prefill advances
+        (sequence, tokens) to apply once the step has run. Raises _RowFailed naming the sequence
+        whose row could not be built."""
         c = self.config
         (p, q), chunks = self._choose_prefill(prefilling)
         # Rows are packed afresh each step: decoding sequences first, then prompts completing now.
         r = c.max_num_seqs if chunks else bucket_for(len(decoding), c.decode_row_buckets)
         batch = self.runner.empty_batch((r, p, q))
         rows: dict[int, Sequence] = {}
+        advances: list[tuple[Sequence, int]] = []
         for row, s in enumerate(decoding):
-            batch["tokens"][row] = s.output_ids[-1]
-            batch["slot_ids"][row] = s.slot
-            batch["dec_positions"][row] = s.total_len - 1
-            batch["dec_tables"][row, : len(s.blocks)] = s.blocks
+            with _blame(s):
+                batch["tokens"][row] = s.output_ids[-1]
+                batch["slot_ids"][row] = s.slot
+                batch["dec_positions"][row] = s.total_len - 1
+                batch["dec_tables"][row, : len(s.blocks)] = s.blocks
             rows[row] = s
         for i, s in enumerate(chunks):
             n, start, at = min(q, s.total_len - s.num_computed), s.num_computed, r + i * q
-            batch["tokens"][at: at + n] = s.all_ids[start: start + n]
-            batch["slot_ids"][at: at + n] = s.slot
-            batch["pre_positions"][i, :n] = np.arange(start, start + n)
-            batch["pre_tables"][i, : len(s.blocks)] = s.blocks
-            s.num_computed += n
-            if s.num_computed == s.total_len:  # the prompt is in: a free row samples its first token
+            with _blame(s):
+                batch["tokens"][at: at + n] = s.all_ids[start: start + n]
+                batch["slot_ids"][at: at + n] = s.slot
+                batch["pre_positions"][i, :n] = np.arange(start, start + n)
+                batch["pre_tables"][i, : len(s.blocks)] = s.blocks
+            advances.append((s, n))
+            if start + n == s.total_len:  # the prompt is in: a free row samples its first token
                 row = len(rows)
                 batch["sample_index"][row] = at + n - 1
                 rows[row] = s
-        batch["sampling"] = build_sampling_batch(
-            {i: SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_ids, self.eos_token_id)
-             for i, s in rows.items()}, r, c.max_model_len)
-        out = self.runner.step(self.adapters.lora_state, batch)
-        touched: dict[str, Request] = {}
-        self._append_sampled(out, rows, touched)
-        return [req.to_output() for req in touched.values()]
+        for row, s in rows.items():
+            with _blame(s):
+                fill_sampling_row(batch["sampling"], row,
+                                  SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_ids, self.eos_token_id))
+        return batch, rows, advances
+
+    def _step_failed(self, error: Exception, involved: list[str], touched: dict[str, Request]) -> None:
+        """A device step raised. If it took the KV cache with it (donated buffers), every running
+        sequence is recomputed from its tokens. A step of one request fails that request; a step of
+        several puts them under suspicion, to be retried one at a time (`_schedulable`)."""
+        self.num_failed_steps += 1
+        log.error("engine step over requests %s failed: %s: %s", involved, type(error).__name__, error)
+        if self.runner.reset_cache_if_lost():
+            for seq in list(reversed(self.running)):  # latest first, so the queue keeps FIFO order
+                self._preempt(seq)
+        if len(involved) == 1:
+            if self._suspects and self._suspects[0] == involved[0]:
+                self._suspects.popleft()
+            self._fail(involved[0], f"the engine step failed for this request: {type(error).__name__}: {error}",
+                       touched)
+        else:
+            self._suspects.extend(r for r in involved if r not in self._suspects)
+
+    def _fail(self, request_id: str, error: str, touched: dict[str, Request]) -> None:
+        self._fail_request(request_id, "error", error)
+        if request_id in self.requests:
+            touched[request_id] = self.requests[request_id]
 
     def _choose_prefill(self, seqs: list[Sequence]) -> tuple[tuple[int, int], list[Sequence]]:
         """The prefill shape (P sequences x Q tokens) and the sequences (oldest first) that waste
@@ -260,17 +365,24 @@ class LLMEngine:
         now = time.time()
         for r, s in seqs_by_row.items():
             req = self.requests[s.request_id]
+            touched[s.request_id] = req
+            if s.state is SeqState.FINISHED:  # its request failed on an earlier row of this step
+                continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            tok = int(out["tokens"][r])
-            if s.params.logprobs is not None:
-                top = {int(i): float(lp) for i, lp in
-                       zip(out["top_ids"][r][: s.params.logprobs], out["top_logprobs"][r][: s.params.logprobs])}
-                top[tok] = float(out["token_logprob"][r])
-                s.logprobs.append(top)
-            self._append_token(s, tok)
-            req.metrics.num_generated_tokens = sum(len(q.output_ids) for q in req.seqs)
-            touched[s.request_id] = req
+            before = len(s.output_ids)
+            try:
+                tok = int(out["tokens"][r])
+                if s.params.logprobs is not None:
+                    top = {int(i): float(lp) for i, lp in
+                           zip(out["top_ids"][r][: s.params.logprobs], out["top_logprobs"][r][: s.params.logprobs])}
+                    top[tok] = float(out["token_logprob"][r])
+                    s.logprobs.append(top)
+                self._append_token(s, tok)
+            except Exception as e:  # detokenizing or a stop check: this request's failure alone
+                log.warning("request %s failed on its sampled token: %s", s.request_id, e)
+                self._fail(s.request_id, f"{type(e).__name__}: {e}", touched)
+            req.metrics.num_generated_tokens += len(s.output_ids) - before
 
     def _append_token(self, s: Sequence, tok: int) -> None:
         p = s.params
@@ -320,6 +432,15 @@ class LLMEngine:
             req.streamed_text[i] += delta
             out.append(delta)
         return out
+
+
+@contextlib.contextmanager
+def _blame(seq: Sequence) -> Iterator[None]:
+    """Whatever fails while `seq`'s row is written is `seq`'s failure alone."""
+    try:
+        yield
+    except Exception as e:
+        raise _RowFailed(seq, e) from e
 
 
 def _streamable(text: str, stops: list[str]) -> str:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from jlora import compile_stats
 from jlora.engine.config import EngineConfig
 from jlora.models.llama import AttnGroup, Llama, LoRAState, host_zeros, init_cache
-from jlora.sampling import build_sampling_batch, sample
+from jlora.sampling import empty_sampling_batch, sample
 
 
 class ModelRunner:
@@ -66,7 +66,7 @@ class ModelRunner:
             dec_positions=np.full((r,), -1, np.int32), dec_tables=np.zeros((r, c.blocks_per_seq), np.int32),
             pre_positions=np.full((p, q), -1, np.int32), pre_tables=np.zeros((p, c.blocks_per_seq), np.int32),
             sample_index=np.arange(r, dtype=np.int32),
-            sampling=build_sampling_batch({}, r, c.max_model_len))
+            sampling=empty_sampling_batch(r, c.max_model_len))
 
     def step(self, lora_state: LoRAState | None, batch: dict[str, Any]) -> dict[str, np.ndarray]:
         """Runs one step; returns the sampled tokens i32[R] (and logprob arrays) on the host."""
@@ -76,6 +76,15 @@ class ModelRunner:
             self._compile([shape], lora_state)
         out, self.cache = self._executables[shape](self._weights, lora_state, self.cache, dev)
         return jax.device_get(out)
+
+    def reset_cache_if_lost(self) -> bool:
+        """After a step raised: if the donated KV cache went with it, start a zeroed one (the engine
+        recomputes what the running sequences had in it). True if the cache was reset."""
+        if not any(x.is_deleted() for x in self.cache.values()):
+            return False
+        self.cache = init_cache(self.cfg, self.config.num_kv_blocks, self.config.block_size, self.kv_dtype,
+                                zeros=host_zeros)
+        return True
 
     def _compile(self, shapes: list[tuple[int, int, int]], lora_state: LoRAState | None, progress: bool = False) -> None:
         """Trace and lower each shape (Python, one at a time), then compile them on all cores at once:

@@ -9,7 +9,7 @@ import time
 from jlora.adapters.manager import AdapterHandle
 from jlora.adapters.request import LoRARequest
 from jlora.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jlora.sampling import SamplingParams
+from jlora.sampling_params import SamplingParams
 
 
 class SeqState(enum.Enum):
@@ -72,12 +72,18 @@ class Request:
     seqs: list[Sequence]
     metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(time.time()))
     streamed_text: list[str] = dataclasses.field(default_factory=list)  # per sample: text already streamed
+    error: str | None = None  # why the engine failed it (finish_reason "error")
+    num_unfinished: int = -1  # kept by the engine, so `finished` is O(1) however large n is
+
+    def __post_init__(self) -> None:
+        if self.num_unfinished < 0:
+            self.num_unfinished = sum(s.state is not SeqState.FINISHED for s in self.seqs)
 
     @property
     def finished(self) -> bool:
-        return all(s.state is SeqState.FINISHED for s in self.seqs)
+        return self.num_unfinished == 0
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
                              [s.to_output() for s in self.seqs], self.finished, self.metrics,
-                             self.lora.lora_name if self.lora else None)
+                             self.lora.lora_name if self.lora else None, self.error)

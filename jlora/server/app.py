@@ -1,7 +1,8 @@
 """The OpenAI-compatible ASGI app: routes, auth, errors, the adapter registry and the engine thread's life.
 
-`build_app(llm, ...)` returns a FastAPI app; `jlora serve` runs it under uvicorn. Every route but
-/health needs `Authorization: Bearer <api_key>` when an api key is set.
+`build_app(llm, ...)` returns a FastAPI app; `jlora serve` runs it under uvicorn. When an api key is
+set, the /v1 routes need `Authorization: Bearer <api_key>` (and /metrics too with metrics_auth);
+/health, /openapi.json and /docs stay open, as in vLLM.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import asyncio
 import contextlib
 import hmac
 import itertools
+import json
+import logging
 import os
 import re
 import time
@@ -18,6 +21,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,11 +32,14 @@ from jlora.server.engine_thread import EngineThread
 from jlora.server.generate import (
     Formatter, Generation, chat_prompt, check_lengths, completion_prompts, sampling_params,
 )
+from jlora.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_STALL_S, max_prompt_bytes
 from jlora.server.metrics import CONTENT_TYPE, ServerMetrics
 from jlora.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
-    error_body,
+    APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse, LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest, error_body,
 )
+
+log = logging.getLogger("jlora.server")
 
 # Adapter names are only keys (never paths), but stay plain anyway: no leading dot or slash, no "..".
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
@@ -44,12 +51,16 @@ class OpenAIServer:
 
     def __init__(self, llm: Any, model_id: str, lora_modules: dict[str, str] | None = None,
                  enable_runtime_lora_updating: bool = False, lora_root: str | os.PathLike | None = None,
-                 shutdown_grace_s: float = 0.0):
+                 shutdown_grace_s: float = 0.0, default_max_tokens: int = DEFAULT_MAX_TOKENS):
         if enable_runtime_lora_updating and lora_root is None:
             raise ValueError("runtime adapter loading needs lora_root (--lora-root): paths are confined to it")
         self.llm = llm
         self.model_id = model_id
         self.max_model_len: int = llm.config.max_model_len
+        self.max_n: int = llm.config.max_n
+        self.vocab_size: int = llm.model.cfg.vocab_size
+        self.default_max_tokens = default_max_tokens
+        self.max_prompt_bytes = max_prompt_bytes(self.max_model_len, llm.tokenizer)
         self.metrics = ServerMetrics()
         self.engine = EngineThread(llm, self.metrics)
         self.runtime_lora = enable_runtime_lora_updating
@@ -143,7 +154,7 @@ class OpenAIServer:
             if req.top_logprobs is not None and not req.logprobs:
                 raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
             num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            prompts = [chat_prompt(req, self.llm)]
+            prompts = [chat_prompt(req, self.llm, self.max_prompt_bytes)]
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             field = "messages"
         else:
@@ -153,13 +164,17 @@ class OpenAIServer:
             if req.best_of is not None and req.best_of != req.n:
                 raise APIError(400, "best_of other than n is not supported", param="best_of")
             num_logprobs = req.logprobs
-            prompts = completion_prompts(req, self.llm.tokenizer)
+            prompts = completion_prompts(req, self.llm.tokenizer, self.max_prompt_bytes)
             max_tokens = req.max_tokens
             field = "prompt"
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise APIError(400, f"max_tokens={max_tokens!r}: must be an int >= 1", param="max_tokens")
+        cap = self.llm.config.max_waiting_seqs
+        if cap is not None and len(prompts) * req.n > cap:
+            raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more sequences than the server ever "
+                                f"queues (--max-waiting-seqs={cap})", param="n" if req.n > 1 else field)
         max_tokens = check_lengths(prompts, max_tokens, self.max_model_len, field)
-        params = sampling_params(req, max_tokens, num_logprobs)
+        if (req.max_completion_tokens if chat else None) is None and req.max_tokens is None:
+            max_tokens = min(max_tokens, self.default_max_tokens)  # unset: the server's default, not the context
+        params = sampling_params(req, max_tokens, num_logprobs, self.vocab_size, self.max_n)
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         fmt = Formatter(chat, req.model, req.n, self.llm.tokenizer, num_logprobs, include_usage,
                         req.return_tokens_as_token_ids)
@@ -180,6 +195,9 @@ class OpenAIServer:
                     finals[u.index] = u
         finally:
             gen.close()
+        failed = [u.output.error for u in finals.values() if u.output.error]
+        if failed:
+            raise APIError(500, f"generation failed: {failed[0]}", code="engine_error")
         return JSONResponse(fmt.whole(finals))
 
     async def _stream(self, gen: Generation, fmt: Formatter, num_prompts: int) -> AsyncIterator[str]:
@@ -187,7 +205,7 @@ class OpenAIServer:
             for c in fmt.role_chunks(num_prompts):
                 yield c
             async for u in gen.updates():
-                for c in fmt.update_chunks(u):
+                for c in fmt.update_chunks(u) + fmt.error_chunk(u):
                     yield c
             for c in fmt.final_chunks():
                 yield c
@@ -238,15 +256,19 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ChatMessag
 class _BearerAuth:
     """Pure ASGI (no BaseHTTPMiddleware), so streaming responses and disconnects pass through untouched."""
 
-    def __init__(self, app: Any, api_key: str):
+    def __init__(self, app: Any, api_key: str, metrics_auth: bool = False):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.metrics_auth = metrics_auth
+
+    def _guarded(self, path: str) -> bool:
+        return path.startswith("/v1/") or (self.metrics_auth and path == "/metrics")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and self._guarded(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                resp = JSONResponse(error_body(401, "Invalid or missing API key (Authorization: Bearer <key>).",
+                resp = ErrorJSON(error_body(401, "Invalid or missing API key (Authorization: Bearer <key>).",
                                                code="invalid_api_key"), status_code=401)
                 await resp(scope, receive, send)
                 return
@@ -256,26 +278,52 @@ class _BearerAuth:
 # ---- the app -------------------------------------------------------------------------------------------
 
 
+class ErrorJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error that quotes a client's text (even a lone surrogate) renders."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+_ERRORS = {status: {"model": ErrorResponse, "description": why} for status, why in (
+    (400, "A field is invalid (error.param names it)"), (401, "Missing or wrong API key"),
+    (404, "Unknown model or adapter"), (413, "Request body too large"),
+    (429, "Too many sequences waiting (see Retry-After)"), (500, "Generation failed"),
+    (503, "Shutting down"))}
+
+
 def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = None, api_key: str | None = None,
               enable_runtime_lora_updating: bool = False, lora_root: str | os.PathLike | None = None,
-              shutdown_grace_s: float = 0.0) -> FastAPI:
-    """The server for a warmed-up `LLM`. The engine thread starts and stops with the app's lifespan."""
-    server = OpenAIServer(llm, model_id, lora_modules, enable_runtime_lora_updating, lora_root, shutdown_grace_s)
+              shutdown_grace_s: float = 0.0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_auth: bool = False,
+              health_stall_timeout: float = DEFAULT_STALL_S) -> FastAPI:
+    """The server for a warmed-up `LLM`. The engine thread starts and stops with the app's lifespan.
+
+    The engine thread gets `shutdown_grace_s` to finish running requests and 5 s more to end; if it
+    is wedged in a step the app stops without it (`stopped_cleanly` is False), so a SIGTERM always
+    ends the server."""
+    server = OpenAIServer(llm, model_id, lora_modules, enable_runtime_lora_updating, lora_root, shutdown_grace_s,
+                          default_max_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.engine.start()
         yield
-        await asyncio.to_thread(server.engine.stop, server.shutdown_grace_s)
+        app.state.stopped_cleanly = await asyncio.to_thread(server.engine.stop, server.shutdown_grace_s,
+                                                            server.shutdown_grace_s + 5.0)
+        if not app.state.stopped_cleanly:
+            log.error("the engine thread did not stop within %.0f s; leaving it", server.shutdown_grace_s + 5.0)
 
-    app = FastAPI(title="jlora", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="jlora", version=_version(), lifespan=lifespan, max_body_size=max_request_bytes,
+                  description="OpenAI-compatible multi-LoRA server (vLLM's routes and fields).")
     app.state.server = server
+    app.state.stopped_cleanly = True
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         if request.url.path in _GENERATION_PATHS and e.status < 500:
             server.metrics.requests.labels(status="rejected").inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return ErrorJSON(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -291,37 +339,95 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+        message = "request body too large (--max-request-bytes)" if e.status_code == 413 else str(e.detail)
+        return ErrorJSON(error_body(e.status_code, message), status_code=e.status_code, headers=e.headers)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "The engine thread has stopped or is stuck"}})
     async def health() -> Response:
-        return Response(status_code=200 if server.engine.alive else 503)
+        ok = server.engine.alive and server.engine.seconds_since_progress() <= health_stall_timeout
+        return Response(status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={401: _ERRORS[401]})
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: _ERRORS[401]})
     async def models() -> dict[str, Any]:
         return server.models()
 
-    @app.post("/v1/completions")
+    generation = {k: _ERRORS[k] for k in (400, 401, 404, 413, 429, 500, 503)}
+    generation[200] = {"description": "The completion, or with stream=true an event stream of chunks",
+                       "content": {"text/event-stream": {}}}
+
+    @app.post("/v1/completions", responses=generation)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await server.complete(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.complete(body, request)
 
     if enable_runtime_lora_updating:
-        @app.post("/v1/load_lora_adapter")
+        adapter_errors = {k: _ERRORS[k] for k in (400, 401, 404, 413)}
+
+        @app.post("/v1/load_lora_adapter", responses=adapter_errors)
         async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
             return PlainTextResponse(await server.load_adapter(body))
 
-        @app.post("/v1/unload_lora_adapter")
+        @app.post("/v1/unload_lora_adapter", responses=adapter_errors)
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
             return PlainTextResponse(await server.unload_adapter(body))
 
+    app.openapi = lambda: _openapi(app, server)  # type: ignore[method-assign]
     if api_key:
-        app.add_middleware(_BearerAuth, api_key=api_key)
+        app.add_middleware(_BearerAuth, api_key=api_key, metrics_auth=metrics_auth)
     return app
+
+
+def _openapi(app: FastAPI, server: OpenAIServer) -> dict[str, Any]:
+    """FastAPI's schema with what this server adds: its own maxima (n up to --max-n, max_tokens up
+    to the context, token ids below the vocabulary), and 400 in place of FastAPI's 422 (errors
+    here are OpenAI error objects)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    for path in schema.get("paths", {}).values():
+        for op in path.values():
+            op.get("responses", {}).pop("422", None)
+    maxima = {"n": server.max_n, "best_of": server.max_n, "max_tokens": server.max_model_len - 1,
+              "max_completion_tokens": server.max_model_len - 1, "top_k": server.vocab_size}
+    token_max = server.vocab_size - 1
+    comps = schema.get("components", {}).get("schemas", {})
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = comps.get(name, {}).get("properties", {})
+        for field, hi in maxima.items():
+            if field in props:
+                _set_maximum(props[field], hi)
+        for field in ("prompt", "stop_token_ids"):
+            if field in props:
+                _set_maximum(props[field], token_max)
+    for name in ("HTTPValidationError", "ValidationError"):
+        comps.pop(name, None)
+    app.openapi_schema = schema
+    return schema
+
+
+def _set_maximum(node: Any, hi: int) -> None:
+    """Lower the `maximum` of every integer schema inside `node` (through anyOf / items) to `hi`."""
+    if isinstance(node, list):
+        for v in node:
+            _set_maximum(v, hi)
+    elif isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = min(hi, node.get("maximum", hi))
+        for v in node.values():
+            _set_maximum(v, hi)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("jlora")
+    except Exception:  # running from a source tree without installing
+        return "0"

@@ -18,8 +18,9 @@ from typing import Any, Callable
 from jlora import compile_stats
 from jlora.adapters.manager import AdapterHandle
 from jlora.adapters.request import LoRARequest
+from jlora.engine.core import QueueFullError
 from jlora.outputs import RequestOutput
-from jlora.sampling import SamplingParams
+from jlora.sampling_params import SamplingParams
 from jlora.server.metrics import ServerMetrics
 
 log = logging.getLogger("jlora.server")
@@ -58,6 +59,7 @@ class EngineThread:
         self._stopping = False
         self._deadline = float("inf")
         self._compiles_at_start = compile_stats.compile_count()
+        self.heartbeat = time.monotonic()  # the engine thread's last sign of progress (each loop turn)
         self._thread = threading.Thread(target=self._run, name="jlora-engine", daemon=True)
 
     # ---- called from any thread ---------------------------------------------------------------------
@@ -93,10 +95,15 @@ class EngineThread:
         if self._thread.is_alive():
             self._cmds.put((self._begin_stop(grace_s), None))
 
-    def stop(self, grace_s: float = 0.0) -> None:
-        """`begin_stop(grace_s)` and wait for the thread to end."""
+    def stop(self, grace_s: float = 0.0, timeout: float | None = None) -> bool:
+        """`begin_stop(grace_s)` and wait up to `timeout` s (None: for ever) for the thread to end.
+        False if it is still running (wedged in a step): the caller decides what to do."""
         self.begin_stop(grace_s)
-        self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def seconds_since_progress(self) -> float:
+        return time.monotonic() - self.heartbeat
 
     @property
     def alive(self) -> bool:
@@ -118,6 +125,7 @@ class EngineThread:
         eng = self.engine
         stalled = False  # the last step changed nothing and nothing runs: don't spin on it
         while True:
+            self.heartbeat = time.monotonic()
             busy = eng.has_unfinished() and not stalled
             self._run_commands(timeout=None if busy else _IDLE_WAIT_S)
             if self._stopping and (not eng.has_unfinished() or time.monotonic() >= self._deadline):
@@ -132,8 +140,8 @@ class EngineThread:
                     self._deliver(changed)
                     stalled = not changed and not eng.running
                 self._update_snapshot()
-            except Exception:  # an engine bug must not hang every client: end what is running, go on
-                log.exception("engine step failed; aborting the running requests")
+            except Exception:  # a bug outside the step's own isolation: end what is running, go on
+                log.exception("engine scheduling failed; aborting the running requests")
                 self._finish_all("error")
 
     def _run_commands(self, timeout: float | None) -> None:
@@ -171,6 +179,10 @@ class EngineThread:
         if self._stopping:
             raise ShuttingDown("the server is shutting down")
         eng, added = self.engine, []
+        cap, total = eng.config.max_waiting_seqs, len(prompts) * params.n
+        if cap is not None and len(eng.waiting) + total > cap:  # all or none, so check before adding any
+            raise QueueFullError(f"{len(eng.waiting)} sequences are waiting and this request adds {total}; "
+                                 f"max_waiting_seqs={cap}")
         try:
             for rid, prompt in zip(request_ids, prompts):
                 added.append(eng.add_request(prompt, params, lora, request_id=rid, lora_handle=lora_handle))

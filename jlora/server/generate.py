@@ -10,9 +10,11 @@ import uuid
 from typing import Any, AsyncIterator
 
 from jlora.adapters.request import LoRARequest
-from jlora.sampling import SamplingParams
+from jlora.sampling_params import SamplingParams
+from jlora.engine.core import QueueFullError
 from jlora.server.engine_thread import EngineThread, ShuttingDown, Update
-from jlora.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from jlora.server.limits import RETRY_AFTER_S
+from jlora.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 
 Prompt = dict[str, Any]  # {"prompt_token_ids": [...], "prompt": text or None}
 
@@ -21,10 +23,14 @@ Prompt = dict[str, Any]  # {"prompt_token_ids": [...], "prompt": text or None}
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
-    """SamplingParams from the request; its ValueError becomes a 400 naming the field."""
+                    logprobs: int | None, vocab_size: int, max_n: int) -> SamplingParams:
+    """SamplingParams from the request, checked against the engine (vocabulary, `--max-n`); its
+    ValueError becomes a 400 naming the field."""
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(400, f"response_format type {req.response_format.type!r} is not supported (only 'text')",
+                       param="response_format")
     kw = dict(temperature=1.0 if req.temperature is None else req.temperature,
               top_p=1.0 if req.top_p is None else req.top_p,
               top_k=-1 if req.top_k is None else req.top_k,
@@ -34,7 +40,9 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
               max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
               stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs, n=req.n)
     try:
-        return SamplingParams(**kw)
+        params = SamplingParams(**kw)
+        params.check_for_engine(vocab_size, max_n)
+        return params
     except ValueError as e:
         m = re.match(r"SamplingParams\.(\w+)=(.*)", str(e), re.S)
         if m is None:
@@ -45,7 +53,13 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         raise APIError(400, f"{field}={m.group(2)}", param=field) from e
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Any) -> list[Prompt]:
+def _check_text_size(text: str, max_bytes: int, field: str) -> None:
+    if len(text) > max_bytes or len(text.encode("utf-8")) > max_bytes:  # chars <= bytes: cheap test first
+        raise APIError(400, f"{field} is longer than any prompt the context can hold ({max_bytes} bytes of text "
+                            f"would be more tokens than max_model_len)", param=field)
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Any, max_bytes: int) -> list[Prompt]:
     p = req.prompt
     if isinstance(p, str):
         items: list[Any] = [p]
@@ -58,14 +72,15 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any) -> list[Prompt]:
     out = []
     for item in items:
         if isinstance(item, str):
+            _check_text_size(item, max_bytes, "prompt")
             out.append({"prompt_token_ids": tokenizer.encode(item, add_special_tokens=True), "prompt": item})
         else:
             out.append({"prompt_token_ids": list(item), "prompt": None})
     return out
 
 
-def chat_prompt(req: ChatCompletionRequest, llm: Any) -> Prompt:
-    for field in ("tools", "functions", "response_format"):
+def chat_prompt(req: ChatCompletionRequest, llm: Any, max_bytes: int) -> Prompt:
+    for field in ("tools", "functions"):
         if (req.model_extra or {}).get(field):
             raise APIError(400, f"{field} is not supported", param=field)
     messages = []
@@ -77,9 +92,15 @@ def chat_prompt(req: ChatCompletionRequest, llm: Any) -> Prompt:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise APIError(400, f"messages[{i}].content: only text parts are supported",
                                    param=f"messages.{i}.content")
+                try:
+                    part["text"].encode("utf-8")
+                except UnicodeEncodeError:
+                    raise APIError(400, f"messages[{i}].content: text must be valid UTF-8 (no lone surrogates)",
+                                   param=f"messages.{i}.content") from None
                 parts.append(part["text"])
             content = "\n".join(parts)
         messages.append({"role": m.role, "content": content or ""})
+    _check_text_size("".join(m["content"] for m in messages), max_bytes, "messages")
     try:
         ids = llm.apply_chat_template(messages)
     except Exception as e:  # jinja raises for roles or orders the template refuses
@@ -137,6 +158,10 @@ class Generation:
         except (ValueError, FileNotFoundError) as e:  # nothing was queued
             self.pending.clear()
             raise APIError(400, str(e)) from e
+        except QueueFullError as e:
+            self.pending.clear()
+            raise APIError(429, f"the server is busy: {e}; retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
         except ShuttingDown as e:
             self.pending.clear()
             raise APIError(503, str(e)) from e
@@ -277,6 +302,14 @@ class Formatter:
                 self.finished.add(i)
             chunks.append(self._chunk([choice]))
         return chunks
+
+    def error_chunk(self, u: Update) -> list[str]:
+        """The engine failed this prompt's request: one error event (as vLLM streams it); the
+        stream then ends as usual."""
+        if not (u.finished and u.output.error):
+            return []
+        body = error_body(500, f"generation failed: {u.output.error}", code="engine_error")
+        return [f"data: {json.dumps(body, ensure_ascii=True)}\n\n"]
 
     def final_chunks(self) -> list[str]:
         out = [self._chunk([], self.usage())] if self.include_usage else []

@@ -1,84 +1,138 @@
-"""Request bodies of the OpenAI API as vLLM accepts them (pydantic), and the OpenAI error object."""
+"""Request bodies of the OpenAI API as vLLM accepts them (pydantic), and the OpenAI error object.
+
+Every bound comes from `jlora.sampling_params.BOUNDS`, so `/openapi.json` states what is accepted
+and a value out of range is a 400 naming its field before anything is queued. Types are strict
+(no "5" for 5, no 0 for false); an int is accepted where a number is. Bounds that depend on the
+server (`n` up to `--max-n`, `max_tokens` up to the context) are written into the served schema by
+`jlora.server.app` and checked per request.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from jlora.sampling_params import BOUNDS, INT32_MAX, MAX_BANNED, MAX_STOP_CHARS, MAX_STOP_STRINGS, OPEN_LOW
+
+
+def _utf8(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate such as "\ud800" from a JSON escape
+        raise ValueError(f"must be valid UTF-8 text (no lone surrogates; {e.reason} at {e.start})") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+
+
+def _bounded(name: str, integral: bool = False) -> Any:
+    lo, hi = BOUNDS[name]
+    low = {"gt": lo} if name in OPEN_LOW else {"ge": lo}
+    if integral:
+        return Annotated[StrictInt, Field(le=hi, **low)]
+    return Annotated[float, Field(le=hi, allow_inf_nan=False, **low)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI and vLLM do
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown fields are ignored, as OpenAI and vLLM do
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+StopField = Text | Annotated[list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+                             Field(max_length=MAX_STOP_STRINGS)]
 
 
 class _SamplingFields(_Body):
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None  # None = 1.0, OpenAI's default
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    model: Text
+    max_tokens: _bounded("max_tokens", True) | None = None
+    temperature: _bounded("temperature") | None = None  # None = 1.0, OpenAI's default
+    top_p: _bounded("top_p") | None = None
+    n: _bounded("n", True) = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    stop: StopField | None = None
+    seed: _bounded("seed", True) | None = None
+    presence_penalty: _bounded("presence_penalty") | None = None
+    frequency_penalty: _bounded("frequency_penalty") | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
+    response_format: ResponseFormat | None = None  # only "text" (the default) is served
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = 0
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's field)
+    top_k: _bounded("top_k", True) | None = None
+    min_p: _bounded("min_p") | None = None
+    min_tokens: _bounded("min_tokens", True) = 0
+    repetition_penalty: _bounded("repetition_penalty") | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_BANNED - 1)] | None = None
+    return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>" (vLLM's field)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: _bounded("max_tokens", True) | None = 16  # OpenAI's default for completions
+    logprobs: _bounded("logprobs", True) | None = None
+    echo: StrictBool = False
+    suffix: Text | None = None
+    best_of: _bounded("n", True) | None = None
 
 
 class ChatMessage(_Body):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Text
+    content: Text | list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: _bounded("max_tokens", True) | None = None
+    logprobs: StrictBool = False
+    top_logprobs: _bounded("logprobs", True) | None = None
 
 
 class LoadLoRAAdapterRequest(_Body):
-    lora_name: str
-    lora_path: str
+    lora_name: Text
+    lora_path: Text
 
 
 class UnloadLoRAAdapterRequest(_Body):
-    lora_name: str
+    lora_name: Text
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error object every 4xx/5xx carries (documented in /openapi.json)."""
+
+    error: ErrorDetail
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 503: "server_error", 500: "server_error"}
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "server_error", 500: "server_error"}
 
 
 class APIError(ValueError):
     """An error a client caused (or a server state it should know about), as an OpenAI error object."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)

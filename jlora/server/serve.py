@@ -9,8 +9,13 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 from typing import Any, Iterator
+
+from jlora.sampling_params import DEFAULT_MAX_N
+from jlora.server.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_MAX_WAITING,
+                                 DEFAULT_STALL_S)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +33,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-runtime-lora-updating", action="store_true",
                    help="add /v1/load_lora_adapter and /v1/unload_lora_adapter (paths confined to --lora-root)")
     p.add_argument("--lora-root", default=None, help="directory every runtime-loaded adapter must lie in")
+    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="most samples (n, best_of) one request may ask for")
+    p.add_argument("--max-waiting-seqs", type=int, default=DEFAULT_MAX_WAITING,
+                   help="sequences queued for admission; past it requests get 429 with Retry-After")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="max_tokens of a chat request that sets none (capped by what the prompt leaves)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest HTTP request body accepted (413 above it)")
+    p.add_argument("--metrics-auth", action="store_true",
+                   help="require the API key on /metrics too (default: open, as vLLM)")
+    p.add_argument("--health-stall-timeout", type=float, default=DEFAULT_STALL_S,
+                   help="/health answers 503 when the engine thread has made no progress for this many seconds")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before they are aborted")
     p.add_argument("--log-level", default="info")
@@ -121,6 +137,11 @@ def serve_main(args: argparse.Namespace) -> int:
     from jlora.server.app import build_app
 
     lora_modules = parse_lora_modules(args.lora_modules)
+    for flag in ("default_max_tokens", "max_request_bytes"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not args.health_stall_timeout > 0:
+        raise ValueError(f"--health-stall-timeout must be > 0, got {args.health_stall_timeout}")
     if args.enable_runtime_lora_updating and not args.lora_root:
         raise ValueError("--enable-runtime-lora-updating needs --lora-root (runtime paths are confined to it)")
     kwargs = engine_kwargs(vars(args))
@@ -128,10 +149,15 @@ def serve_main(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **kwargs)
     model_id = args.served_model_name or args.model or DEFAULT_MODEL
     app = build_app(llm, model_id, lora_modules=lora_modules, api_key=args.api_key,
-                    enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_root=args.lora_root)
+                    enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_root=args.lora_root,
+                    default_max_tokens=args.default_max_tokens, max_request_bytes=args.max_request_bytes,
+                    metrics_auth=args.metrics_auth, health_stall_timeout=args.health_stall_timeout)
     sock = bind(args.host, args.port)
     print(f"jlora serve: {model_id} with adapters {sorted(lora_modules) or '[]'} on "
           f"http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
     server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
     server.run(sockets=[sock])
+    if not app.state.stopped_cleanly:  # the engine thread is wedged in a step: do not wait on it at exit
+        print("jlora serve: the engine thread did not stop in time; exiting without it", file=sys.stderr, flush=True)
+        os._exit(1)
     return 0
