@@ -275,6 +275,38 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+class _BodySizeLimit:
+    """413 as an OpenAI error object for a body over the limit: at once for a Content-Length over
+    it, and for a chunked body as soon as the bytes read pass it (the route's body read raises an
+    HTTPException, which FastAPI hands to the app's error handler), so nothing large is buffered."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            resp = ErrorJSON(error_body(413, f"request body of {int(length)} bytes is over the limit of "
+                                             f"{self.max_bytes} (--max-request-bytes)"),
+                             status_code=413, headers={"Connection": "close"})
+            return await resp(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b"")) if message["type"] == "http.request" else 0
+            if seen > self.max_bytes:
+                raise StarletteHTTPException(413, f"request body over the limit of {self.max_bytes} bytes "
+                                                  f"(--max-request-bytes)", headers={"Connection": "close"})
+            return message
+
+        await self.app(scope, counted, send)
+
+
 # ---- the app -------------------------------------------------------------------------------------------
 
 
@@ -314,7 +346,7 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
         if not app.state.stopped_cleanly:
             log.error("the engine thread did not stop within %.0f s; leaving it", server.shutdown_grace_s + 5.0)
 
-    app = FastAPI(title="jlora", version=_version(), lifespan=lifespan, max_body_size=max_request_bytes,
+    app = FastAPI(title="jlora", version=_version(), lifespan=lifespan,
                   description="OpenAI-compatible multi-LoRA server (vLLM's routes and fields).")
     app.state.server = server
     app.state.stopped_cleanly = True
@@ -339,8 +371,7 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        message = "request body too large (--max-request-bytes)" if e.status_code == 413 else str(e.detail)
-        return ErrorJSON(error_body(e.status_code, message), status_code=e.status_code, headers=e.headers)
+        return ErrorJSON(error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers)
 
     @app.get("/health", responses={503: {"description": "The engine thread has stopped or is stuck"}})
     async def health() -> Response:
@@ -381,6 +412,7 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
     app.openapi = lambda: _openapi(app, server)  # type: ignore[method-assign]
     if api_key:
         app.add_middleware(_BearerAuth, api_key=api_key, metrics_auth=metrics_auth)
+    app.add_middleware(_BodySizeLimit, max_bytes=max_request_bytes)  # outermost: before auth reads anything
     return app
 
 

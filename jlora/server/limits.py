@@ -1,7 +1,5 @@
 """What the server bounds before a request reaches the engine: body size, prompt size, the queue.
 
-The body size is enforced by FastAPI's own `max_body_size` (413 before the body is parsed).
-
 The sampling fields' bounds live in `jlora.sampling_params.BOUNDS` (shared with `SamplingParams`
 and the CLI); these are the HTTP-side ones, each a `jlora serve` flag. Light to import (no JAX).
 """
