@@ -373,12 +373,16 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return ErrorJSON(error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers)
 
-    @app.get("/health", responses={503: {"description": "The engine thread has stopped or is stuck"}})
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "Serving", "content": None},
+                        503: {"description": "The engine thread has stopped or is stuck", "content": None}})
     async def health() -> Response:
         ok = server.engine.alive and server.engine.seconds_since_progress() <= health_stall_timeout
         return Response(status_code=200 if ok else 503)
 
-    @app.get("/metrics", responses={401: _ERRORS[401]})
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus metrics", "content": {CONTENT_TYPE.split(";")[0]: {}}},
+                        401: _ERRORS[401]})
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -401,11 +405,11 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
     if enable_runtime_lora_updating:
         adapter_errors = {k: _ERRORS[k] for k in (400, 401, 404, 413)}
 
-        @app.post("/v1/load_lora_adapter", responses=adapter_errors)
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=adapter_errors)
         async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
             return PlainTextResponse(await server.load_adapter(body))
 
-        @app.post("/v1/unload_lora_adapter", responses=adapter_errors)
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=adapter_errors)
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
             return PlainTextResponse(await server.unload_adapter(body))
 
@@ -419,13 +423,17 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
 def _openapi(app: FastAPI, server: OpenAIServer) -> dict[str, Any]:
     """FastAPI's schema with what this server adds: its own maxima (n up to --max-n, max_tokens up
     to the context, token ids below the vocabulary), and 400 in place of FastAPI's 422 (errors
-    here are OpenAI error objects)."""
+    here are OpenAI error objects, always JSON)."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     for path in schema.get("paths", {}).values():
         for op in path.values():
-            op.get("responses", {}).pop("422", None)
+            responses = op.get("responses", {})
+            responses.pop("422", None)
+            for status, resp in responses.items():  # errors are JSON whatever the route's own type
+                if int(status) >= 400 and resp.get("content"):
+                    resp["content"] = {"application/json": next(iter(resp["content"].values()))}
     maxima = {"n": server.max_n, "best_of": server.max_n, "max_tokens": server.max_model_len - 1,
               "max_completion_tokens": server.max_model_len - 1, "top_k": server.vocab_size}
     token_max = server.vocab_size - 1
