@@ -102,7 +102,7 @@ def make_server(app: Any, host: str, port: int, shutdown_timeout: float = 30.0, 
                     signal.signal(sig, handler)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout + 10.0, lifespan="on")
+                            timeout_graceful_shutdown=shutdown_timeout + 5.0, lifespan="on")
     return Server(config)
 
 
