@@ -111,8 +111,8 @@ def run_poisson(llm: Any, prompts: list[list[int]], loras: list[Any], params: An
         for out in engine.step():
             if out.request_id not in ttft and out.outputs[0].token_ids:
                 ttft[out.request_id] = time.perf_counter() - arrived[out.request_id]
-        for rid in [r for r in arrived if engine.requests.get(r) is not None and engine.requests[r].finished]:
-            engine.pop_finished(rid)
+            if out.finished:
+                engine.pop_finished(out.request_id)
     lat = sorted(ttft.values())
     return {"ttft_p50_s": float(np.percentile(lat, 50)), "ttft_p99_s": float(np.percentile(lat, 99)),
             "requests": len(lat)}

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from jlora import compile_stats
 from jlora.adapters.request import LoRARequest
 from jlora.defaults import ENGINE_DEFAULTS, engine_config
-from jlora.engine.core import LLMEngine
+from jlora.engine.llm_engine import LLMEngine
 from jlora.models.loading import load_model, resolve_model_path
 from jlora.outputs import RequestOutput
 from jlora.sampling import SamplingParams
@@ -182,7 +182,7 @@ class LLM:
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
-                self.engine.requests.pop(rid, None)
+                self.engine.pop_finished(rid)
             raise
         return ids
 
@@ -193,16 +193,26 @@ class LLM:
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """Outputs in prompt order. A request the engine failed comes back with finish_reason
+        "error" and `error` set; the others are unaffected."""
         ids = self._add_all(prompts, sampling_params, lora_request)
-        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not (use_tqdm and self.progress and len(ids) > 1))
-        while pending:
-            self.engine.step()
-            done = [r for r in pending if self.engine.requests[r].finished]
-            pending.difference_update(done)
-            bar.update(len(done))
-        bar.close()
-        return [self.engine.pop_finished(r) for r in ids]
+        try:
+            while len(done) < len(ids):
+                finished = [o.request_id for o in self.engine.step() if o.finished]
+                for rid in finished:
+                    done[rid] = self.engine.pop_finished(rid)
+                bar.update(len(finished))
+                if not finished and not self.engine.has_unfinished():
+                    raise RuntimeError("the engine has nothing left to run but requests are unfinished")
+        finally:
+            bar.close()
+            for rid in ids:  # interrupted (KeyboardInterrupt, an engine bug): leave the engine clean
+                if rid not in done:
+                    self.engine.abort(rid)
+                    self.engine.pop_finished(rid)
+        return [done[r] for r in ids]
 
     def generate_stream(
         self,
@@ -212,18 +222,19 @@ class LLM:
     ) -> Iterator[str]:
         """Yields text deltas of one request as its tokens arrive (the first sample when n > 1)."""
         (rid,) = self._add_all([prompt], sampling_params, lora_request)
+        finished = False
         try:
-            while True:
-                self.engine.step()
-                delta = self.engine.stream_deltas(rid)[0]
-                if delta:
-                    yield delta
-                if self.engine.requests[rid].finished:
-                    break
+            while not finished:
+                changed = {o.request_id: o for o in self.engine.step()}
+                if rid in changed:
+                    delta = self.engine.stream_deltas(rid)[0]
+                    if delta:
+                        yield delta
+                    finished = changed[rid].finished
         finally:
-            if rid in self.engine.requests:
+            if not finished:
                 self.engine.abort(rid)
-                self.engine.requests.pop(rid, None)
+            self.engine.pop_finished(rid)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):

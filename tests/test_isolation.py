@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-import jlora.engine.core as core
+import jlora.engine.runner as runner_module
 from jlora import LLM, LoRARequest, SamplingParams, compile_stats
-from jlora.engine.core import QueueFullError
+from jlora.engine.llm_engine import QueueFullError
 from jlora.engine.sequence import SeqState
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_loras=2, max_lora_rank=8,
@@ -85,14 +85,14 @@ def test_a_row_that_fails_on_the_host_fails_only_its_request(llm, tiny_adapters,
     """The culprit fails after 3 tokens, mid-stream for everyone; the others' tokens are their solo runs'."""
     bystanders = _bystanders(tiny_adapters)
     refs = [_solo(llm, *b) for b in bystanders]
-    real = core.fill_sampling_row
+    real = runner_module.fill_sampling_row
 
     def fill(batch, b, row):
         if row.seed == CULPRIT_SEED and len(row.output_ids) >= 3:
             raise OverflowError("Python integer out of bounds for int32 (injected)")
         return real(batch, b, row)
 
-    monkeypatch.setattr(core, "fill_sampling_row", fill)
+    monkeypatch.setattr(runner_module, "fill_sampling_row", fill)
     compiles = compile_stats.compile_count()
     culprit = (PROMPTS[3], greedy(20, seed=CULPRIT_SEED), None)
     outs = list(_run(llm.engine, [bystanders[0], culprit, bystanders[1], bystanders[2]]).values())

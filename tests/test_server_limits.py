@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-import jlora.engine.core as core
+import jlora.engine.runner as runner_module
 from jlora import LLM
 from jlora.server.app import build_app
 from live import KEY, serve_live
@@ -129,14 +129,14 @@ def test_an_engine_failure_fails_that_request_alone_and_the_stream_beside_it_is_
     ok = {"model": "a0", "prompt": "Once upon a time", "max_tokens": 30, "temperature": 0.0, "ignore_eos": True}
     with live.http() as http:
         ref = http.post("/v1/completions", json=ok).json()["choices"][0]["text"]
-    real = core.fill_sampling_row
+    real = runner_module.fill_sampling_row
 
     def fill(batch, b, row):  # runs on the engine thread
         if row.seed == CULPRIT_SEED and len(row.output_ids) >= 2:
             raise OverflowError("injected row failure")
         return real(batch, b, row)
 
-    monkeypatch.setattr(core, "fill_sampling_row", fill)
+    monkeypatch.setattr(runner_module, "fill_sampling_row", fill)
     bad = {"model": "tiny", "prompt": "Hello", "max_tokens": 20, "seed": CULPRIT_SEED, "ignore_eos": True}
     with live.http() as http, live.http() as other:
         with http.stream("POST", "/v1/completions", json={**ok, "stream": True}) as bystander:

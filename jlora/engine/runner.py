@@ -10,9 +10,10 @@ sampled tokens (and logprobs) come back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import jax
 import numpy as np
@@ -22,13 +23,34 @@ from tqdm.auto import tqdm
 from jlora import compile_stats
 from jlora.engine.config import EngineConfig
 from jlora.models.llama import AttnGroup, Llama, LoRAState, host_zeros, init_cache
-from jlora.sampling import empty_sampling_batch, sample
+from jlora.sampling import SamplingRow, empty_sampling_batch, fill_sampling_row, sample
+
+if TYPE_CHECKING:
+    from jlora.engine.scheduler import StepPlan
+    from jlora.engine.sequence import Sequence
+
+
+class RowFailed(Exception):
+    """Writing `seq`'s row of a step raised: that sequence's request fails, the others do not."""
+
+    def __init__(self, seq: Sequence, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.seq = seq
+
+
+@contextlib.contextmanager
+def _blame(seq: Sequence) -> Iterator[None]:
+    try:
+        yield
+    except Exception as e:
+        raise RowFailed(seq, e) from e
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, config: EngineConfig, kv_dtype: Any = None):
+    def __init__(self, model: Llama, config: EngineConfig, eos_token_id: int | None = None, kv_dtype: Any = None):
         self.cfg = model.cfg
         self.config = config
+        self.eos_token_id = eos_token_id  # banned before a row's min_tokens
         self.graphdef, self.state = nnx.split(model)
         # A flat list of arrays crosses the jit boundary fastest (NNX state flattens in Python).
         self._weights, self._weights_def = jax.tree.flatten(self.state)
@@ -67,6 +89,34 @@ class ModelRunner:
             pre_positions=np.full((p, q), -1, np.int32), pre_tables=np.zeros((p, c.blocks_per_seq), np.int32),
             sample_index=np.arange(r, dtype=np.int32),
             sampling=empty_sampling_batch(r, c.max_model_len))
+
+    def build_batch(self, plan: StepPlan) -> dict[str, Any]:
+        """The host arrays of `plan` (layout in `empty_batch`). Raises RowFailed naming the
+        sequence whose row could not be written."""
+        r, _, q = plan.shape
+        batch = self.empty_batch(plan.shape)
+        for row, s in enumerate(plan.decode):
+            with _blame(s):
+                batch["tokens"][row] = s.output_ids[-1]
+                batch["slot_ids"][row] = s.slot
+                batch["dec_positions"][row] = s.total_len - 1
+                batch["dec_tables"][row, : len(s.blocks)] = s.blocks
+        completing = len(plan.decode)
+        for i, (s, start, n) in enumerate(plan.prefill):
+            at = r + i * q
+            with _blame(s):
+                batch["tokens"][at: at + n] = s.all_ids[start: start + n]
+                batch["slot_ids"][at: at + n] = s.slot
+                batch["pre_positions"][i, :n] = np.arange(start, start + n)
+                batch["pre_tables"][i, : len(s.blocks)] = s.blocks
+            if start + n == s.total_len:  # the prompt is in: a free row samples its first token
+                batch["sample_index"][completing] = at + n - 1
+                completing += 1
+        for row, s in enumerate(plan.sampled):
+            with _blame(s):
+                fill_sampling_row(batch["sampling"], row,
+                                  SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_ids, self.eos_token_id))
+        return batch
 
     def step(self, lora_state: LoRAState | None, batch: dict[str, Any]) -> dict[str, np.ndarray]:
         """Runs one step; returns the sampled tokens i32[R] (and logprob arrays) on the host."""

@@ -1,10 +1,11 @@
-"""Per-request state on the host: tokens, text, stop checks and incremental detokenization."""
+"""Per-request state on the host: a request's samples (sequences), their tokens, text and state."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 import time
+from typing import Any
 
 from jlora.adapters.manager import AdapterHandle
 from jlora.adapters.request import LoRARequest
@@ -39,12 +40,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-
-    def pop_last(self) -> None:
-        """Drop the last token (an EOS or stop token, which is not part of the output)."""
-        self.output_ids.pop()
-        if len(self.logprobs) > len(self.output_ids):
-            self.logprobs.pop()
+    detok: Any = None  # IncrementalDetokenizer of output_ids (text = its text, cut at a stop string)
 
     @property
     def all_ids(self) -> list[int]:
@@ -71,7 +67,7 @@ class Request:
     lora: LoRARequest | None
     seqs: list[Sequence]
     metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(time.time()))
-    streamed_text: list[str] = dataclasses.field(default_factory=list)  # per sample: text already streamed
+    streamed_chars: list[int] = dataclasses.field(default_factory=list)  # per sample: characters already streamed
     error: str | None = None  # why the engine failed it (finish_reason "error")
     num_unfinished: int = -1  # kept by the engine, so `finished` is O(1) however large n is
 

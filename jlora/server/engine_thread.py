@@ -18,7 +18,7 @@ from typing import Any, Callable
 from jlora import compile_stats
 from jlora.adapters.manager import AdapterHandle
 from jlora.adapters.request import LoRARequest
-from jlora.engine.core import QueueFullError
+from jlora.engine.llm_engine import QueueFullError
 from jlora.outputs import RequestOutput
 from jlora.sampling_params import SamplingParams
 from jlora.server.metrics import ServerMetrics
@@ -127,7 +127,10 @@ class EngineThread:
         while True:
             self.heartbeat = time.monotonic()
             busy = eng.has_unfinished() and not stalled
-            self._run_commands(timeout=None if busy else _IDLE_WAIT_S)
+            if self._run_commands(timeout=None if busy else _IDLE_WAIT_S):
+                # A command may have stepped the engine itself (an offline LLM.generate on this
+                # thread): what it advanced of our requests is delivered now.
+                self._deliver({rid: out for rid in list(self._sinks) if (out := eng.get_output(rid)) is not None})
             if self._stopping and (not eng.has_unfinished() or time.monotonic() >= self._deadline):
                 self._finish_all("abort")
                 self._update_snapshot()
@@ -138,18 +141,19 @@ class EngineThread:
                 if eng.has_unfinished():
                     changed = {o.request_id: o for o in eng.step()}
                     self._deliver(changed)
-                    stalled = not changed and not eng.running
+                    stalled = not changed and eng.stats().running == 0
                 self._update_snapshot()
             except Exception:  # a bug outside the step's own isolation: end what is running, go on
                 log.exception("engine scheduling failed; aborting the running requests")
                 self._finish_all("error")
 
-    def _run_commands(self, timeout: float | None) -> None:
-        """Run the queued commands; wait up to `timeout` s for the first one (None: don't wait)."""
+    def _run_commands(self, timeout: float | None) -> bool:
+        """Run the queued commands; wait up to `timeout` s for the first one (None: don't wait).
+        True if any ran."""
         try:
             item = self._cmds.get(timeout=timeout) if timeout else self._cmds.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             fn, fut = item
             if fut is None:
@@ -162,7 +166,7 @@ class EngineThread:
             try:
                 item = self._cmds.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _fail_pending_commands(self) -> None:
         while True:
@@ -179,9 +183,9 @@ class EngineThread:
         if self._stopping:
             raise ShuttingDown("the server is shutting down")
         eng, added = self.engine, []
-        cap, total = eng.config.max_waiting_seqs, len(prompts) * params.n
-        if cap is not None and len(eng.waiting) + total > cap:  # all or none, so check before adding any
-            raise QueueFullError(f"{len(eng.waiting)} sequences are waiting and this request adds {total}; "
+        cap, total, waiting = eng.config.max_waiting_seqs, len(prompts) * params.n, eng.stats().waiting
+        if cap is not None and waiting + total > cap:  # all or none, so check before adding any
+            raise QueueFullError(f"{waiting} sequences are waiting and this request adds {total}; "
                                  f"max_waiting_seqs={cap}")
         try:
             for rid, prompt in zip(request_ids, prompts):
@@ -197,39 +201,31 @@ class EngineThread:
     def _abort(self, request_ids: list[str], status: str) -> None:
         for rid in request_ids:
             sink = self._sinks.pop(rid, None)
-            if rid in self.engine.requests:
-                self.engine.abort(rid)
+            if self.engine.abort(rid) is not None:
                 out = self.engine.pop_finished(rid)
                 if sink is not None:
                     self._record(out, sink, status)
 
     def _finish_all(self, status: str) -> None:
         """Abort everything still in flight and tell each client (its stream ends with `abort`)."""
-        for rid in list(self._sinks):
-            if rid in self.engine.requests and not self.engine.requests[rid].finished:
-                self.engine.abort(rid)
-        self._deliver({}, status)
+        changed = {rid: out for rid in list(self._sinks) if (out := self.engine.abort(rid)) is not None}
+        self._deliver(changed, status)
 
     def _deliver(self, changed: dict[str, RequestOutput], abort_status: str = "abort") -> None:
+        """Send each changed request's update to its client; a finished one is popped and recorded."""
         eng = self.engine
-        for rid, sink in list(self._sinks.items()):
-            req = eng.requests.get(rid)
-            if req is None:  # dropped behind our back; nothing more will come
-                del self._sinks[rid]
-                continue
-            finished = req.finished
-            if rid not in changed and not finished:
+        for rid, out in changed.items():
+            sink = self._sinks.get(rid)
+            if sink is None:  # not ours (an offline call on this thread), or already aborted
                 continue
             deltas = eng.stream_deltas(rid)
-            if finished:
+            if out.finished:
                 out = eng.pop_finished(rid)
                 del self._sinks[rid]
                 reason = out.outputs[0].finish_reason or "abort"
                 self._record(out, sink, abort_status if reason == "abort" else reason)
-            else:
-                out = changed[rid]
             try:
-                sink.callback(Update(sink.index, deltas, out, finished))
+                sink.callback(Update(sink.index, deltas, out, out.finished))
             except Exception:  # the event loop is gone (shutdown); the request is done anyway
                 log.debug("could not deliver an update for %s", rid, exc_info=True)
 
@@ -241,20 +237,18 @@ class EngineThread:
                                   m.first_token_time, m.finished_time or time.time())
 
     def _update_snapshot(self) -> None:
-        eng = self.engine
-        stats = eng.adapters.stats
-        total = eng.config.num_kv_blocks
+        st = self.engine.stats()
         self.metrics.set_engine_snapshot({
-            "running": len(eng.running),
-            "waiting": len(eng.waiting),
-            "kv_blocks_used": total - eng.kv.num_free,
-            "kv_blocks_total": total,
-            "lora_resident": len(eng.adapters.resident()),
-            "lora_slot_hits": stats["slot_hits"],
-            "lora_disk_loads": stats["disk_loads"],
-            "lora_host_hits": stats["host_hits"],
-            "lora_slot_writes": stats["slot_writes"],
-            "lora_evictions": stats["evictions"],
-            "preemptions": eng.num_preemptions,
+            "running": st.running,
+            "waiting": st.waiting,
+            "kv_blocks_used": st.kv_blocks_used,
+            "kv_blocks_total": st.kv_blocks_total,
+            "lora_resident": st.lora_resident,
+            "lora_slot_hits": st.lora["slot_hits"],
+            "lora_disk_loads": st.lora["disk_loads"],
+            "lora_host_hits": st.lora["host_hits"],
+            "lora_slot_writes": st.lora["slot_writes"],
+            "lora_evictions": st.lora["evictions"],
+            "preemptions": st.num_preemptions,
             "compiles_after_warmup": self.compiles_after_start,
         })

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 
 from jlora.adapters.request import LoRARequest
 from jlora.sampling_params import SamplingParams
-from jlora.engine.core import QueueFullError
+from jlora.engine.llm_engine import QueueFullError
 from jlora.server.engine_thread import EngineThread, ShuttingDown, Update
 from jlora.server.limits import RETRY_AFTER_S
 from jlora.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body

@@ -1,0 +1,293 @@
+"""LLMEngine: continuous batching over a paged KV cache and a fixed set of adapter slots.
+
+A step is four rooms in a row (vLLM v1's shape): the `Scheduler` decides which tokens of which
+sequences run (a `StepPlan`, with their KV blocks and slots); the `ModelRunner` turns the plan into
+its arrays and runs the one device call (the model and the sampler in one graph); the
+`OutputProcessor` appends the sampled tokens, detokenizes incrementally and decides who stops;
+the engine keeps the requests and returns what changed. `add_request` validates and queues,
+`abort` drops a request and frees its KV blocks and slot pin, `stats()` is the public snapshot.
+
+No request can hurt another: every field is checked at `add_request`; a row that still fails to
+build on the host fails only its own request (finish_reason "error", `RequestOutput.error`); and a
+device step that raises is retried without blame falling on bystanders: its requests run one at a
+time until the one that fails again is found and failed alone (`Scheduler.step_failed`).
+When a decoding sequence needs a KV block and none is free, the most recently admitted sequence
+is preempted and later recomputed, so nothing is dropped and greedy outputs do not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from typing import Any
+
+from jlora.adapters.manager import AdapterHandle, AdapterManager
+from jlora.adapters.request import LoRARequest
+from jlora.engine.config import EngineConfig
+from jlora.engine.detokenizer import IncrementalDetokenizer
+from jlora.engine.output_processor import OutputProcessor
+from jlora.engine.runner import ModelRunner, RowFailed
+from jlora.engine.scheduler import Scheduler
+from jlora.engine.sequence import Request, Sequence, SeqState
+from jlora.outputs import RequestOutput
+from jlora.sampling_params import SamplingParams
+
+log = logging.getLogger("jlora.engine")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `EngineConfig.max_waiting_seqs`; try again later (HTTP 429)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """What the engine is doing, for the server's metrics and for callers: a copy, safe to keep."""
+
+    running: int  # sequences with a place in the step
+    waiting: int  # sequences queued for admission
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    num_failed_steps: int  # device steps that raised (their requests were retried one by one)
+    lora_resident: int  # adapters in device slots
+    lora: dict[str, int]  # the adapter manager's counters (slot_hits, disk_loads, host_hits, ...)
+
+
+class LLMEngine:
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, eos_token_id: int | None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.runner = ModelRunner(model, config, eos_token_id)
+        self.adapters = AdapterManager(model.cfg, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                       max_cpu_loras=config.max_cpu_loras, dtype=model.dtype)
+        self.scheduler = Scheduler(config, self.adapters)
+        self.output = OutputProcessor(config.max_model_len, eos_token_id)
+        self.requests: dict[str, Request] = {}
+        self.num_failed_steps = 0
+        self._ids = itertools.count()
+        self._seed_rng = random.Random()
+
+    # Read-only views for tests and benchmarks (callers use `stats()`).
+    @property
+    def kv(self):
+        return self.scheduler.kv
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def stats(self) -> EngineStats:
+        s, total = self.scheduler, self.config.num_kv_blocks
+        return EngineStats(len(s.running), len(s.waiting), total - s.kv.num_free, total, s.num_preemptions,
+                           self.num_failed_steps, len(self.adapters.resident()), dict(self.adapters.stats))
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | dict[str, Any] | list[int],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        request_id: str | None = None,
+        lora_handle: AdapterHandle | None = None,
+    ) -> str:
+        """Validate and queue one request. Raises ValueError/FileNotFoundError for bad input, queuing nothing.
+
+        `lora_handle`: `lora_request`'s adapter as already converted (`adapters.prepare` or
+        `prepare_async`), so nothing is converted here, on the stepping thread."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.check_for_engine(self.runner.cfg.vocab_size, self.config.max_n)
+        cap, waiting = self.config.max_waiting_seqs, len(self.scheduler.waiting)
+        if cap is not None and waiting + params.n > cap:
+            raise QueueFullError(f"{waiting} sequences are waiting and this request adds {params.n}; "
+                                 f"max_waiting_seqs={cap}")
+        prompt_text, ids = self._tokenize(prompt)
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={limit} leaves no room to generate "
+                             f"(the prompt must be at most {limit - 1} tokens)")
+        if any(not 0 <= t < self.runner.cfg.vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be in [0, {self.runner.cfg.vocab_size})")
+        handle = None
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+            if lora_handle is not None and lora_handle.version[0] != lora_request.lora_name:
+                raise ValueError(f"lora_handle is for adapter {lora_handle.version[0]!r}, the request names "
+                                 f"{lora_request.lora_name!r}")
+            # Converts now unless given (raises on a bad adapter); the request keeps this version to the end.
+            handle = lora_handle or self.adapters.prepare(lora_request)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**32)
+        seqs = [Sequence(request_id, i, ids, params, (base_seed + 7919 * i) % 2**32, lora_request, handle,
+                         detok=IncrementalDetokenizer(self.tokenizer)) for i in range(params.n)]
+        req = Request(request_id, prompt_text, ids, params, lora_request, seqs)
+        req.metrics.num_prompt_tokens = len(ids)
+        req.streamed_chars = [0] * params.n
+        self.requests[request_id] = req
+        self.scheduler.add(seqs)
+        return request_id
+
+    def _tokenize(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = [int(t) for t in prompt["prompt_token_ids"]]
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                ids = self.tokenizer.encode(text, add_special_tokens=True)
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, [int(t) for t in prompt]
+        else:
+            raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        return text, ids
+
+    def _tokenize(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = [int(t) for t in prompt["prompt_token_ids"]]
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                ids = self.tokenizer.encode(text, add_special_tokens=True)
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, [int(t) for t in prompt]
+        else:
+            raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        return text, ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish what is left of a request with "abort"; its final state (None: unknown id). The
+        request stays until `pop_finished`."""
+        self._fail_request(request_id, "abort")
+        req = self.requests.get(request_id)
+        return None if req is None else req.to_output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _fail_request(self, request_id: str, reason: str, error: str | None = None) -> None:
+        """Finish every unfinished sequence of a request with `reason` ("abort" or "error"), in time
+        linear in its sequences."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        if error is not None:
+            req.error = error
+        self.scheduler.free_request(request_id, req.seqs)
+        for seq in req.seqs:
+            if seq.state is not SeqState.FINISHED:
+                self._mark_finished(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        self.scheduler.free(seq)
+        self._mark_finished(seq, reason, stop_reason)
+
+    def _mark_finished(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        seq.state = SeqState.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        req = self.requests[seq.request_id]
+        req.num_unfinished -= 1
+        if req.finished:
+            req.metrics.finished_time = time.time()
+
+    def _fail(self, request_id: str, error: str, touched: dict[str, Request]) -> None:
+        self._fail_request(request_id, "error", error)
+        if request_id in self.requests:
+            touched[request_id] = self.requests[request_id]
+
+    def _is_live(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and not req.finished
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling round, one device call. Returns the requests that changed (their state so
+        far; `finished` on the last), including any failed in this step."""
+        touched: dict[str, Request] = {}
+        while True:  # a sequence whose row cannot be built fails alone; the rest are planned again
+            plan = self.scheduler.schedule(self._is_live)
+            if plan is None:
+                return [req.to_output() for req in touched.values()]
+            try:
+                batch = self.runner.build_batch(plan)
+                break
+            except RowFailed as f:
+                log.warning("request %s failed on the host: %s", f.seq.request_id, f)
+                self._fail(f.seq.request_id, str(f), touched)
+        try:
+            out = self.runner.step(self.adapters.lora_state, batch)
+        except Exception as e:
+            self.num_failed_steps += 1
+            log.error("engine step over requests %s failed: %s: %s", plan.request_ids, type(e).__name__, e)
+            culprit = self.scheduler.step_failed(plan, cache_lost=self.runner.reset_cache_if_lost())
+            if culprit is not None:
+                self._fail(culprit, f"the engine step failed for this request: {type(e).__name__}: {e}", touched)
+            return [req.to_output() for req in touched.values()]
+        self.scheduler.commit(plan)
+        self._process(out, plan.sampled, touched)
+        return [req.to_output() for req in touched.values()]
+
+    def _process(self, out: dict[str, Any], sampled: list[Sequence], touched: dict[str, Request]) -> None:
+        now = time.time()
+        for row, s in enumerate(sampled):
+            req = self.requests[s.request_id]
+            touched[s.request_id] = req
+            if s.state is SeqState.FINISHED:  # its request failed on an earlier row of this step
+                continue
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            before = len(s.output_ids)
+            try:
+                finish = self.output.append(s, out, row)
+            except Exception as e:  # detokenizing or a stop check: this request's failure alone
+                log.warning("request %s failed on its sampled token: %s", s.request_id, e)
+                self._fail(s.request_id, f"{type(e).__name__}: {e}", touched)
+                continue
+            req.metrics.num_generated_tokens += len(s.output_ids) - before
+            if finish is not None:
+                self._finish(s, *finish)
+
+    # ---- outputs ----------------------------------------------------------------------------------
+
+    def get_output(self, request_id: str) -> RequestOutput | None:
+        """A request's state so far (None: unknown id)."""
+        req = self.requests.get(request_id)
+        return None if req is None else req.to_output()
+
+    def pop_finished(self, request_id: str) -> RequestOutput:
+        req = self.requests.pop(request_id)
+        return req.to_output()
+
+    def stream_deltas(self, request_id: str) -> list[str]:
+        """Text added to each sample since the last call; the deltas always join to the final text."""
+        return self.output.stream_deltas(self.requests[request_id])
