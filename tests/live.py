@@ -48,8 +48,7 @@ class Live:
         eng = self.llm.engine
         return self.on_engine(lambda: eng.kv.num_free == eng.config.num_kv_blocks and not eng.requests
                               and not eng.has_unfinished()
-                              and all(eng.adapters.pins(s) == 0 for s in range(self.llm.config.max_loras)
-                                      if hasattr(eng.adapters, "pins")))
+                              and all(eng.adapters.pins(s) == 0 for s in range(self.llm.config.max_loras)))
 
     def wait_idle(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout

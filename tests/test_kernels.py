@@ -146,9 +146,22 @@ def test_dispatcher_forces_every_impl_and_auto_picks_a_real_one():
     args = make(7, 4, 8, jnp.float32)
     for impl in CHOICES:
         check(partial(lora_delta, impl=impl), args, jnp.float32)
+    # Each rule of the dispatcher's table, at a shape on either side of its crossover.
+    expected = {  # (T, N, R, backend) -> impl
+        (16, 4, 64, "cpu"): "laned",  # decode, few slots: one dense GEMM over all lanes
+        (8, 64, 16, "cpu"): "gather",  # decode, N >= 4T: tokens almost never share a slot
+        (16, 16, 16, "cpu"): "gather",  # decode, small rank, under 4 tokens per slot
+        (64, 16, 64, "cpu"): "grouped",  # decode at R > 16 and N < 4T
+        (512, 8, 64, "cpu"): "laned",  # prefill, N*R = 512
+        (512, 16, 64, "cpu"): "grouped",  # prefill, N*R above 512
+        (2048, 4, 128, "gpu"): "laned", (16, 16, 64, "gpu"): "gather", (512, 16, 64, "gpu"): "grouped",
+        (16, 8, 64, "tpu"): "laned", (16, 16, 64, "tpu"): "grouped",
+    }
+    for (t, n, r, backend), impl in expected.items():
+        assert choose_impl(t, 576, 576, n, r, backend) == impl, (t, n, r, backend)
     for t, n, r in itertools.product((1, 8, 64, 512, 2048), (1, 4, 16, 64), (8, 16, 64)):
         for backend in ("cpu", "gpu", "tpu"):
-            assert choose_impl(t, 576, 576, n, r, backend) in ("gather", "laned", "grouped", "pallas")
+            assert choose_impl(t, 576, 576, n, r, backend) != "pallas"  # never picked until measured
 
 
 def test_inside_a_larger_jit():

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
+import peft  # the reference libraries: a missing one is a failure, not a skip
 import pytest
+import torch
+import transformers
+from flax import nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-
-import jax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jlora.adapters import AdapterManager, LoRARequest, padded_update, read_peft_adapter, set_slot  # noqa: E402
-from jlora.models import build_model, init_cache, init_lora_state, read_hf_checkpoint  # noqa: E402
+from jlora.adapters import AdapterManager, LoRARequest, padded_update, read_peft_adapter, set_slot
+from jlora.models import build_model, init_cache, init_lora_state, read_hf_checkpoint
 
 MAX_RANK = 8
 ADAPTERS = {

@@ -296,7 +296,9 @@ def test_a_converting_adapter_does_not_stall_running_streams(live, monkeypatch):
         gate.set()
         loader.join(60)
     assert loaded.get_nowait().status_code == 200
-    assert client.completions.create(model="held", prompt=PROMPTS[3], max_tokens=2).choices[0].text is not None
+    got = client.completions.create(model="held", prompt=PROMPTS[3], max_tokens=2, temperature=0.0,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+    assert got == live.offline([PROMPTS[3]], "held", 2)[0].outputs[0].text
     assert live.http().post("/v1/unload_lora_adapter", json={"lora_name": "held"}).status_code == 200
 
 
