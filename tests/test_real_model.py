@@ -67,3 +67,25 @@ def test_prompt_too_long_is_rejected_and_engine_keeps_serving(real_llm):
         SamplingParams(top_p=0.0)
     out = real_llm.generate(["The sky is"], SamplingParams(temperature=0.0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_1500_token_prompt_matches_transformers(hf_real):
+    """Twelve 128-token prefill chunks, then decoding over ~1,500 cached positions: attention runs
+    across a dozen key chunks (the default max_model_len is 2048)."""
+    from jlora import LLM
+
+    model, tok = hf_real
+    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(120))
+    ids = tok(text + "\nHow many stones does the box of item 5 hold?")["input_ids"]
+    assert 1400 <= len(ids) <= 1700, len(ids)
+    llm = LLM(max_model_len=2048, max_num_seqs=1, max_num_batched_tokens=128, token_buckets=(128,), max_loras=1,
+              max_lora_rank=8, warmup=False, progress=False)
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    want, past, cur = [], None, torch.tensor([ids])
+    with torch.no_grad():  # greedy through EOS, as ignore_eos does
+        for _ in range(12):
+            r = model(cur, past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            want.append(int(r.logits[0, -1].argmax()))
+            cur = torch.tensor([[want[-1]]])
+    assert out[0].outputs[0].token_ids == want
