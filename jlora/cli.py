@@ -55,9 +55,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="print start-up and generation timings to stderr")
 
 
-_add_engine_args = add_engine_args  # the old private name, for code written against it
-
-
 def _buckets(text: str | None, flag: str) -> tuple[int, ...] | None:
     if not text:
         return None

@@ -19,7 +19,7 @@ from jlora.server.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, 
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    """Server flags (the engine's shared flags come from jlora.cli's `_add_engine_args`)."""
+    """Server flags (the engine's shared flags come from jlora.cli's `add_engine_args`)."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-cpu-loras", type=int, default=None, help="host cache of converted adapters")
