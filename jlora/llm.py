@@ -236,20 +236,25 @@ class LLM:
                 self.engine.abort(rid)
             self.engine.pop_finished(rid)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model has no chat template")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: dict[str, str] | list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        """One conversation (a message dict, or a list of them) or a list of conversations."""
+        if isinstance(messages, dict):
+            messages = [messages]
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a message dict, a non-empty list of them, or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in conversations]
         return self.generate(prompts, sampling_params, lora_request, use_tqdm)
 

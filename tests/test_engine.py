@@ -265,3 +265,13 @@ def test_warmup_again_compiles_nothing(llm):
     count = compile_stats.compile_count()
     llm.warmup()
     assert compile_stats.compile_count() == count
+
+
+def test_chat_takes_one_message_dict_one_conversation_or_several(llm):
+    msg = {"role": "user", "content": "Hello"}
+    one = llm.chat(msg, greedy(4))
+    assert len(one) == 1
+    assert [o.outputs[0].token_ids for o in llm.chat([msg], greedy(4))] == [one[0].outputs[0].token_ids]
+    assert len(llm.chat([[msg], [msg]], greedy(4))) == 2
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([], greedy(4))

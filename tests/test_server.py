@@ -20,6 +20,7 @@ import pytest
 
 from jlora import LLM, SamplingParams, compile_stats
 from jlora.server.app import build_app
+from jlora.server.serve import bind
 from live import KEY, serve_live
 
 # Only sizes every engine version takes (the tiny model compiles its graphs in a second or two).
@@ -181,7 +182,10 @@ def test_bad_requests_are_refused_and_the_others_carry_on(live, tiny_adapters):
         assert err["param"] == "max_tokens"
         err = _error(http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ',
                                headers={"Content-Type": "application/json"}), 400)
-        assert "JSON" in err["message"]
+        assert "JSON" in err["message"] and err["param"] == "body"
+        vocab = live.llm.model.cfg.vocab_size
+        err = _error(http.post("/v1/completions", json={"model": "tiny", "prompt": [1, vocab]}), 400)
+        assert err["param"] == "prompt" and str(vocab) in err["message"]
         err = _error(http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": "many"}), 400)
         assert err["param"] == "max_tokens"
         err = _error(http.post("/v1/chat/completions", json={"model": "tiny", "messages": []}), 400)
@@ -311,6 +315,25 @@ def _metric(live, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
+def test_tokenize_detokenize_version_and_one_model(live):
+    http, tok = live.http(), live.llm.tokenizer
+    r = http.post("/tokenize", json={"model": "a1", "prompt": "Hello there"}).json()
+    assert r == {"count": len(tok.encode("Hello there")), "max_model_len": 128, "tokens": tok.encode("Hello there"),
+                 "token_strs": None}
+    msgs = [{"role": "user", "content": "hi"}]
+    r = http.post("/tokenize", json={"messages": msgs}).json()
+    assert r["tokens"] == live.llm.apply_chat_template(msgs)
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": tok.decode(r["tokens"])}
+    _error(http.post("/detokenize", json={"tokens": [live.llm.model.cfg.vocab_size]}), 400)
+    _error(http.post("/tokenize", json={"prompt": "x", "messages": msgs}), 400)
+    _error(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404)
+    assert http.get("/version").json()["version"] == live.app.version
+    assert http.get("/v1/models/a1").json()["parent"] == "tiny"
+    assert http.get("/v1/models/tiny").json()["id"] == "tiny"
+    assert _error(http.get("/v1/models/nope"), 404)["param"] == "model"
+    assert live.client().models.retrieve("a2").id == "a2"
+
+
 def test_client_disconnect_aborts_and_frees_resources(live):
     _wait_idle(live)
     aborted = _metric(live, 'jlora_requests_total{status="abort"}')
@@ -401,6 +424,30 @@ def test_cli_serve_sigterm_finishes_the_running_request_and_exits_0(tiny_dir, ti
             proc.wait()
 
 
+def _serve_cli(args: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "jlora.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **(env or {})})
+    return proc, time.monotonic() - t0
+
+
+def test_serve_checks_paths_and_the_port_before_loading_and_never_prints_the_key(tiny_dir):
+    proc, _ = _serve_cli(["--help"], {"JLORA_API_KEY": "sk-secret-do-not-print"})
+    assert proc.returncode == 0 and "sk-secret-do-not-print" not in proc.stdout + proc.stderr
+    assert "(default: 127.0.0.1)" in proc.stdout and "(default: 8000)" in proc.stdout
+    proc, elapsed = _serve_cli(["--model", str(tiny_dir[0]), "--lora-modules", "x=/no/such/adapter"])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--lora-modules x=/no/such/adapter" in proc.stderr
+    # Loading and warming up the tiny model takes tens of seconds here; a check before it, about one.
+    assert elapsed < 10, elapsed
+    busy = bind("127.0.0.1", 0)
+    try:
+        proc, elapsed = _serve_cli(["--model", str(tiny_dir[0]), "--port", str(busy.getsockname()[1])])
+    finally:
+        busy.close()
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "cannot listen" in proc.stderr, proc.stderr
+    assert elapsed < 10, elapsed
+
+
 def test_cli_flags_are_checked_before_the_model_loads(capsys):
     from jlora.cli import main
     from jlora.server.serve import parse_lora_modules
@@ -409,3 +456,15 @@ def test_cli_flags_are_checked_before_the_model_loads(capsys):
     assert "--lora-root" in capsys.readouterr().err
     assert main(["serve", "--lora-modules", "no-equals-sign"]) == 2
     assert parse_lora_modules(["a=x/y", '{"name": "b", "path": "/z"}']) == {"a": "x/y", "b": "/z"}
+
+
+def test_usage_counts_the_eos_or_stop_token_that_ended_a_sample():
+    from jlora.outputs import CompletionOutput, RequestOutput
+    from jlora.server.engine_thread import Update
+    from jlora.server.generate import Formatter
+
+    fmt = Formatter(False, "tiny", 3, None, None, False)
+    outs = [CompletionOutput(0, "", [], "stop", None), CompletionOutput(1, "ab", [5, 6], "stop", 99),
+            CompletionOutput(2, "ab", [5, 6], "stop", "b")]  # EOS only; a stop token; a stop string
+    fmt.whole({0: Update(0, ["", "", ""], RequestOutput("r", "x", [1, 2], outs, True), True)})
+    assert fmt.usage() == {"prompt_tokens": 2, "completion_tokens": 1 + 3 + 2, "total_tokens": 8}

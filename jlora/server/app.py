@@ -30,13 +30,14 @@ from jlora.adapters.peft import JLORA_ADAPTER_META, SAFETENSORS_FILE
 from jlora.adapters.request import LoRARequest
 from jlora.server.engine_thread import EngineThread
 from jlora.server.generate import (
-    Formatter, Generation, chat_prompt, check_lengths, completion_prompts, sampling_params,
+    Formatter, Generation, check_text_size, chat_prompt, check_lengths, completion_prompts, sampling_params,
 )
 from jlora.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_STALL_S, max_prompt_bytes
 from jlora.server.metrics import CONTENT_TYPE, ServerMetrics
 from jlora.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse, LoadLoRAAdapterRequest,
-    UnloadLoRAAdapterRequest, error_body,
+    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
+    LoadLoRAAdapterRequest, TokenizeRequest, TokenizeResponse, UnloadLoRAAdapterRequest, VersionResponse,
+    error_body,
 )
 
 log = logging.getLogger("jlora.server")
@@ -85,14 +86,40 @@ class OpenAIServer:
             return self.adapters[model]
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    def models(self) -> dict[str, Any]:
-        def card(mid: str, root: str, parent: str | None) -> dict[str, Any]:
-            return {"id": mid, "object": "model", "created": self.created, "owned_by": "jlora", "root": root,
-                    "parent": parent, "max_model_len": self.max_model_len, "permission": []}
+    def _card(self, mid: str, root: str, parent: str | None) -> dict[str, Any]:
+        return {"id": mid, "object": "model", "created": self.created, "owned_by": "jlora", "root": root,
+                "parent": parent, "max_model_len": self.max_model_len, "permission": []}
 
-        data = [card(self.model_id, str(self.llm.model_path), None)]
-        data += [card(n, lr.lora_path, self.model_id) for n, lr in self.adapters.items()]
+    def models(self) -> dict[str, Any]:
+        data = [self._card(self.model_id, str(self.llm.model_path), None)]
+        data += [self._card(n, lr.lora_path, self.model_id) for n, lr in self.adapters.items()]
         return {"object": "list", "data": data}
+
+    def model(self, model_id: str) -> dict[str, Any]:
+        lora = self.lora_for(model_id)  # 404 naming it when unknown
+        return (self._card(model_id, str(self.llm.model_path), None) if lora is None
+                else self._card(model_id, lora.lora_path, self.model_id))
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            self.lora_for(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if body.prompt is not None:
+            check_text_size(body.prompt, self.max_prompt_bytes, "prompt")
+            ids = self.llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            chat = ChatCompletionRequest(model=body.model or self.model_id, messages=body.messages)
+            ids = chat_prompt(chat, self.llm, self.max_prompt_bytes,
+                              add_generation_prompt=body.add_generation_prompt)["prompt_token_ids"]
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            self.lora_for(body.model)
+        if any(t >= self.vocab_size for t in body.tokens):
+            raise APIError(400, f"tokens must be below the vocabulary size {self.vocab_size}", param="tokens")
+        return {"prompt": self.llm.tokenizer.decode(body.tokens)}
 
     def _check_name(self, name: str) -> None:
         if not _NAME_RE.fullmatch(name) or ".." in name or name == self.model_id:
@@ -164,7 +191,7 @@ class OpenAIServer:
             if req.best_of is not None and req.best_of != req.n:
                 raise APIError(400, "best_of other than n is not supported", param="best_of")
             num_logprobs = req.logprobs
-            prompts = completion_prompts(req, self.llm.tokenizer, self.max_prompt_bytes)
+            prompts = completion_prompts(req, self.llm.tokenizer, self.max_prompt_bytes, self.vocab_size)
             max_tokens = req.max_tokens
             field = "prompt"
         cap = self.llm.config.max_waiting_seqs
@@ -362,7 +389,8 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
         errors = e.errors()
         if errors and errors[0].get("type") == "json_invalid":
             ctx = errors[0].get("ctx") or {}
-            return await api_error(request, APIError(400, f"malformed JSON body: {ctx.get('error', errors[0]['msg'])}"))
+            return await api_error(request, APIError(400, f"malformed JSON body: {ctx.get('error', errors[0]['msg'])}",
+                                                     param="body"))
         by_field: dict[str, str] = {}  # one message per field (a union type yields one error per member)
         for err in errors:
             by_field.setdefault(_field_path(err.get("loc", ())), err.get("msg", "invalid"))
@@ -389,6 +417,22 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
     @app.get("/v1/models", responses={401: _ERRORS[401]})
     async def models() -> dict[str, Any]:
         return server.models()
+
+    @app.get("/v1/models/{model_id:path}", responses={k: _ERRORS[k] for k in (401, 404)})
+    async def model(model_id: str) -> dict[str, Any]:
+        return server.model(model_id)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> dict[str, str]:
+        return {"version": app.version}
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses={k: _ERRORS[k] for k in (400, 404, 413)})
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return server.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses={k: _ERRORS[k] for k in (400, 404, 413)})
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return server.detokenize(body)
 
     generation = {k: _ERRORS[k] for k in (400, 401, 404, 413, 429, 500, 503)}
     generation[200] = {"description": "The completion, or with stream=true an event stream of chunks",

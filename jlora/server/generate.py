@@ -53,13 +53,13 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         raise APIError(400, f"{field}={m.group(2)}", param=field) from e
 
 
-def _check_text_size(text: str, max_bytes: int, field: str) -> None:
+def check_text_size(text: str, max_bytes: int, field: str) -> None:
     if len(text) > max_bytes or len(text.encode("utf-8")) > max_bytes:  # chars <= bytes: cheap test first
         raise APIError(400, f"{field} is longer than any prompt the context can hold ({max_bytes} bytes of text "
                             f"would be more tokens than max_model_len)", param=field)
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Any, max_bytes: int) -> list[Prompt]:
+def completion_prompts(req: CompletionRequest, tokenizer: Any, max_bytes: int, vocab_size: int) -> list[Prompt]:
     p = req.prompt
     if isinstance(p, str):
         items: list[Any] = [p]
@@ -72,14 +72,16 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, max_bytes: int) -
     out = []
     for item in items:
         if isinstance(item, str):
-            _check_text_size(item, max_bytes, "prompt")
+            check_text_size(item, max_bytes, "prompt")
             out.append({"prompt_token_ids": tokenizer.encode(item, add_special_tokens=True), "prompt": item})
         else:
+            if any(t >= vocab_size for t in item):
+                raise APIError(400, f"prompt: token ids must be below the vocabulary size {vocab_size}", param="prompt")
             out.append({"prompt_token_ids": list(item), "prompt": None})
     return out
 
 
-def chat_prompt(req: ChatCompletionRequest, llm: Any, max_bytes: int) -> Prompt:
+def chat_prompt(req: ChatCompletionRequest, llm: Any, max_bytes: int, add_generation_prompt: bool = True) -> Prompt:
     for field in ("tools", "functions"):
         if (req.model_extra or {}).get(field):
             raise APIError(400, f"{field} is not supported", param=field)
@@ -100,9 +102,9 @@ def chat_prompt(req: ChatCompletionRequest, llm: Any, max_bytes: int) -> Prompt:
                 parts.append(part["text"])
             content = "\n".join(parts)
         messages.append({"role": m.role, "content": content or ""})
-    _check_text_size("".join(m["content"] for m in messages), max_bytes, "messages")
+    check_text_size("".join(m["content"] for m in messages), max_bytes, "messages")
     try:
-        ids = llm.apply_chat_template(messages)
+        ids = llm.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja raises for roles or orders the template refuses
         raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from e
     return {"prompt_token_ids": ids, "prompt": None}
@@ -244,7 +246,10 @@ class Formatter:
     def _track(self, u: Update) -> None:
         self.prompt_tokens[u.index] = len(u.output.prompt_token_ids)
         for o in u.output.outputs:
-            self.completion_tokens[u.index * self.n + o.index] = len(o.token_ids)
+            # The EOS or stop token that ended a sample is generated (and counted, as vLLM and
+            # OpenAI do) though not returned; a stop string's tokens are in token_ids.
+            dropped = o.finish_reason == "stop" and not isinstance(o.stop_reason, str)
+            self.completion_tokens[u.index * self.n + o.index] = len(o.token_ids) + dropped
 
     # whole replies
 

@@ -107,6 +107,36 @@ class UnloadLoRAAdapterRequest(_Body):
     lora_name: Text
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a completion prompt, or chat messages through the chat template."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

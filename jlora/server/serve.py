@@ -20,16 +20,19 @@ from jlora.server.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """Server flags (the engine's shared flags come from jlora.cli's `add_engine_args`)."""
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="host cache of converted adapters")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--served-model-name", default=None, help="the base model's id (default: --model, or the "
                                                              "default model's name)")
     p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
                    help="adapters served from the start, each as its own model (or JSON {\"name\", \"path\"})")
-    p.add_argument("--api-key", default=os.environ.get("JLORA_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health (env JLORA_API_KEY)")
+    # No default shown: the key is read from the environment at start, never printed.
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the /v1 routes (default: env JLORA_API_KEY)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) in place of the model's")
     p.add_argument("--enable-runtime-lora-updating", action="store_true",
                    help="add /v1/load_lora_adapter and /v1/unload_lora_adapter (paths confined to --lora-root)")
     p.add_argument("--lora-root", default=None, help="directory every runtime-loaded adapter must lie in")
@@ -131,10 +134,13 @@ def engine_kwargs(flags: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-def serve_main(args: argparse.Namespace) -> int:
-    from jlora import LLM
-    from jlora.models.loading import DEFAULT_MODEL
-    from jlora.server.app import build_app
+def check_serve_args(args: argparse.Namespace) -> tuple[dict[str, str], socket.socket, str | None]:
+    """Everything about the command line that needs no model, in well under a second (no JAX):
+    sizes, adapter directories, the adapter root, the chat template, and the port (bound here, so
+    a busy port fails now, not after the weights load). Returns the adapters, the bound socket
+    and the chat template text. ValueError / FileNotFoundError name the flag."""
+    from jlora.adapters.peft import check_adapter_dir
+    from jlora.defaults import engine_config
 
     lora_modules = parse_lora_modules(args.lora_modules)
     for flag in ("default_max_tokens", "max_request_bytes"):
@@ -142,17 +148,66 @@ def serve_main(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not args.health_stall_timeout > 0:
         raise ValueError(f"--health-stall-timeout must be > 0, got {args.health_stall_timeout}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.enable_runtime_lora_updating and not args.lora_root:
         raise ValueError("--enable-runtime-lora-updating needs --lora-root (runtime paths are confined to it)")
+    if args.lora_root is not None and not os.path.isdir(args.lora_root):
+        raise ValueError(f"--lora-root: {args.lora_root!r} is not a directory")
+    if args.model is not None and not os.path.exists(args.model):
+        raise ValueError(f"--model: {args.model!r} does not exist (a GGUF file or a checkpoint directory)")
+    for name, path in lora_modules.items():
+        try:
+            check_adapter_dir(path)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e}") from None
+    template = None
+    if args.chat_template is not None:
+        if os.path.isfile(args.chat_template):
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        elif "{" in args.chat_template:
+            template = args.chat_template
+        else:
+            raise ValueError(f"--chat-template: {args.chat_template!r} is neither a file nor a Jinja template")
+    sizes = {k: v for k, v in engine_flags(vars(args)).items() if k not in ("warmup", "weights_cache")}
+    engine_config(**sizes)  # the sizes' own checks, still before anything loads
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        raise ValueError(f"--host {args.host} --port {args.port}: cannot listen there: {e.strerror or e}") from None
+    return lora_modules, sock, template
+
+
+def engine_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """`engine_config` keyword arguments among the parsed flags, without importing JAX."""
+    from jlora.defaults import ENGINE_DEFAULTS
+
+    names = set(ENGINE_DEFAULTS) | {"dtype", "max_cpu_loras"}
+    out = {}
+    for name, value in flags.items():
+        if name in names and value is not None:
+            out[name] = tuple(int(x) for x in str(value).split(",")) if name.endswith("_buckets") else value
+    return out
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    lora_modules, sock, template = check_serve_args(args)
+    api_key = args.api_key or os.environ.get("JLORA_API_KEY") or None
+    from jlora import LLM
+    from jlora.models.loading import DEFAULT_MODEL
+    from jlora.server.app import build_app
+
     kwargs = engine_kwargs(vars(args))
     kwargs.update(warmup=not getattr(args, "lazy", False), weights_cache=not getattr(args, "no_weights_cache", False))
     llm = LLM(args.model, **kwargs)
+    if template is not None:
+        llm.tokenizer.chat_template = template
     model_id = args.served_model_name or args.model or DEFAULT_MODEL
-    app = build_app(llm, model_id, lora_modules=lora_modules, api_key=args.api_key,
+    app = build_app(llm, model_id, lora_modules=lora_modules, api_key=api_key,
                     enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_root=args.lora_root,
                     default_max_tokens=args.default_max_tokens, max_request_bytes=args.max_request_bytes,
                     metrics_auth=args.metrics_auth, health_stall_timeout=args.health_stall_timeout)
-    sock = bind(args.host, args.port)
     print(f"jlora serve: {model_id} with adapters {sorted(lora_modules) or '[]'} on "
           f"http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
     server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
