@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlora.sampling_params import MAX_BANNED, MAX_LOGPROBS, SamplingParams
+from jlora.sampling_params import MAX_LOGIT_BIAS, MAX_BANNED, MAX_LOGPROBS, SamplingParams
 
 __all__ = ["SamplingParams", "SamplingRow", "build_sampling_batch", "empty_sampling_batch", "fill_sampling_row",
            "sample", "MAX_LOGPROBS", "MAX_BANNED"]
@@ -31,9 +31,16 @@ class SamplingRow:
     eos_token_id: int | None
 
 
-def empty_sampling_batch(bucket: int, history_len: int) -> dict[str, np.ndarray]:
-    """Host arrays for `sample` with every row greedy padding; `fill_sampling_row` sets one row."""
-    return dict(
+def empty_sampling_batch(bucket: int, history_len: int, vocab_size: int | None = None) -> dict[str, np.ndarray]:
+    """Host arrays for `sample` with every row greedy padding; `fill_sampling_row` sets one row.
+
+    With `vocab_size`, also the per-row logit bias (`bias_ids` / `bias_values` [B, MAX_LOGIT_BIAS])
+    and the grammar mask `allowed` (int32 [B, ceil(V/32)] bits, -1 = every token allowed), which
+    the engine's step always carries (one graph whether or not a row uses them)."""
+    extra = {} if vocab_size is None else dict(
+        bias_ids=np.full((bucket, MAX_LOGIT_BIAS), -1, np.int32), bias_values=np.zeros((bucket, MAX_LOGIT_BIAS), np.float32),
+        allowed=np.full((bucket, -(-vocab_size // 32)), -1, np.int32))
+    return dict(**extra,
         temperature=np.zeros((bucket,), np.float32), top_k=np.zeros((bucket,), np.int32),
         top_p=np.ones((bucket,), np.float32), min_p=np.zeros((bucket,), np.float32),
         repetition_penalty=np.ones((bucket,), np.float32), presence_penalty=np.zeros((bucket,), np.float32),
@@ -56,6 +63,12 @@ def fill_sampling_row(batch: dict[str, np.ndarray], b: int, r: SamplingRow) -> N
     if len(r.output_ids) < p.min_tokens:
         ban = ([] if p.ignore_eos or r.eos_token_id is None else [r.eos_token_id]) + p.stop_token_ids
         batch["banned"][b, : len(ban)] = ban
+    if p.logit_bias:
+        if "bias_ids" not in batch:
+            raise ValueError("this sampling batch has no logit_bias arrays (empty_sampling_batch without vocab_size)")
+        ids, values = zip(*p.logit_bias.items())
+        batch["bias_ids"][b, : len(ids)] = ids
+        batch["bias_values"][b, : len(ids)] = values
     if p.uses_penalties:  # the history only matters to rows with penalties
         ids = r.prompt_ids + r.output_ids
         batch["history"][b, : len(ids)] = ids
@@ -120,6 +133,21 @@ def sample(
         lambda: logits.at[jnp.broadcast_to(jnp.arange(b)[:, None], banned.shape),
                           jnp.where(banned >= 0, banned, v)].set(-jnp.inf, mode="drop"),
         lambda: logits)
+    if "bias_ids" in batch:  # OpenAI's logit_bias: added to the logits before anything else
+        bias_ids = batch["bias_ids"]
+        logits = jax.lax.cond(
+            jnp.any(bias_ids >= 0),
+            lambda: logits.at[jnp.broadcast_to(jnp.arange(b)[:, None], bias_ids.shape),
+                              jnp.where(bias_ids >= 0, bias_ids, v)].add(batch["bias_values"], mode="drop"),
+            lambda: logits)
+    if "allowed" in batch:  # a grammar's mask (structured output): bit t of row b = token t allowed
+        allowed = batch["allowed"]
+
+        def masked() -> jax.Array:
+            bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, V/32, 32]
+            return jnp.where(bits.reshape(b, -1)[:, :v] > 0, logits, -jnp.inf)
+
+        logits = jax.lax.cond(jnp.any(allowed != -1), masked, lambda: logits)
     logits = jax.lax.cond(
         jnp.any((batch["repetition_penalty"] != 1.0) | (batch["presence_penalty"] != 0.0)
                 | (batch["frequency_penalty"] != 0.0)),

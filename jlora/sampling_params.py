@@ -19,6 +19,38 @@ MAX_BANNED = 8  # EOS plus stop_token_ids suppressed before min_tokens
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # a stream holds back up to this much text per stop string, checked every token
 DEFAULT_MAX_N = 128  # OpenAI's own limit for n; EngineConfig.max_n / --max-n change it
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit); the sampler's bias arrays are this wide
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range: -100 bans a token, 100 all but forces it
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """Constrain a sample to a grammar (vLLM's StructuredOutputsParams): exactly one of a JSON
+    schema (`json`, a dict or its JSON text), any JSON object (`json_object=True`), a `regex`, a
+    `choice` of strings, or a Lark `grammar`. Compiled by llguidance into a per-token mask applied
+    inside the step's sampler; the sample stops when the grammar is complete."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("StructuredOutputsParams.json must be a JSON schema (a dict or its JSON text)")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c and _utf8(c) for c in self.choice)):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v or not _utf8(v)):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string")
 
 # field -> (lowest, highest) accepted, inclusive unless named in OPEN_LOW. Temperatures above 100
 # make every distribution uniform to float32 precision; penalties outside [0.01, 100] overflow
@@ -73,6 +105,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
     n: int = 1
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in BOUNDS.items():
@@ -103,6 +137,14 @@ class SamplingParams:
             raise self._bad("stop_token_ids", "must be a list of token ids (ints in [0, 2**31))")
         if len(self.stop_token_ids) >= MAX_BANNED:
             raise self._bad("stop_token_ids", f"at most {MAX_BANNED - 1} ids are supported")
+        if self.logit_bias is not None:
+            lo, hi = LOGIT_BIAS_RANGE
+            if (not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS
+                    or any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.logit_bias)
+                    or any(not _is_num(v) or not lo <= v <= hi for v in self.logit_bias.values())):
+                raise self._bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to numbers in [{lo}, {hi}]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise self._bad("structured_outputs", "must be a StructuredOutputsParams or None")
 
     def _bad(self, name: str, why: str) -> ValueError:
         return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
@@ -115,6 +157,8 @@ class SamplingParams:
             raise self._bad("n", f"must be at most max_n={max_n} (the engine's limit on samples per request)")
         if any(t >= vocab_size for t in self.stop_token_ids):
             raise self._bad("stop_token_ids", f"must be token ids below the vocabulary size {vocab_size}")
+        if self.logit_bias and any(t >= vocab_size for t in self.logit_bias):
+            raise self._bad("logit_bias", f"must have token ids below the vocabulary size {vocab_size}")
 
     @property
     def uses_penalties(self) -> bool:

@@ -11,6 +11,7 @@ import pytest
 import jlora.engine.runner as runner_module
 from jlora import LLM, LoRARequest, SamplingParams, compile_stats
 from jlora.engine.llm_engine import QueueFullError
+from jlora.sampling_params import StructuredOutputsParams
 from jlora.engine.sequence import SeqState
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_loras=2, max_lora_rank=8,
@@ -33,18 +34,29 @@ def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
     ("temperature", float("nan")), ("repetition_penalty", 1e308), ("repetition_penalty", 0.0),
     ("presence_penalty", 3.0), ("top_p", 0.0), ("min_p", 1.5), ("n", 0), ("seed", 2**40), ("seed", -1),
     ("max_tokens", 2**31), ("logprobs", 21), ("stop", "\ud800"), ("stop", ["ok"] * 17),
-    ("stop_token_ids", [2**33]), ("ignore_eos", 1), ("n", True),
+    ("stop_token_ids", [2**33]), ("ignore_eos", 1), ("n", True), ("logit_bias", {1: 101.0}),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {i: 1.0 for i in range(301)}), ("structured_outputs", {"json": {}}),
 ])
 def test_sampling_params_refuse_what_the_arrays_cannot_hold(field, value):
     with pytest.raises(ValueError, match=rf"^SamplingParams\.{field}="):
         SamplingParams(**{field: value})
 
 
+def test_structured_outputs_params_take_exactly_one_grammar():
+    from jlora.sampling_params import StructuredOutputsParams
+
+    for kw in [{}, {"regex": "a", "choice": ["b"]}, {"choice": []}, {"json": 3}, {"json_object": True, "regex": "x"}]:
+        with pytest.raises(ValueError, match="StructuredOutputsParams"):
+            StructuredOutputsParams(**kw)
+
+
 def test_the_engine_refuses_model_and_engine_bounds_and_queues_nothing(llm):
     eng, vocab = llm.engine, llm.model.cfg.vocab_size
     for params, field in [(SamplingParams(top_k=vocab + 1), "top_k"), (SamplingParams(n=eng.config.max_n + 1), "n"),
-                          (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids")]:
-        with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+                          (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
+                          (SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
+                          (SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-")), "structured_outputs")]:
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{field}[=:]"):
             eng.add_request("Hello", params)
     assert not eng.requests and not eng.waiting
     assert llm.generate(["Hello"], greedy(4, top_k=vocab))[0].outputs[0].finish_reason == "length"  # the edge is fine

@@ -218,8 +218,19 @@ def test_bad_requests_are_refused_and_the_others_carry_on(live, tiny_adapters):
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         err = _error(http.post("/v1/chat/completions", json={**chat, "logprobs": 0}), 400)  # a bool in the API
         assert err["param"] == "logprobs"
-        err = _error(http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}), 400)
+        err = _error(http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_schema"}}), 400)
         assert err["param"] == "response_format"
+        bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+        err = _error(http.post("/v1/chat/completions", json={**chat, "response_format": bad_schema}), 400)
+        assert err["param"] == "response_format" and "no-such-type" in err["message"]
+        err = _error(http.post("/v1/completions", json={**ok, "guided_regex": "[a-", "max_tokens": 2}), 400)
+        assert err["param"] == "guided_regex"
+        err = _error(http.post("/v1/completions", json={**ok, "guided_regex": "a", "guided_choice": ["b"]}), 400)
+        assert err["param"] in ("guided_choice", "guided_regex")
+        err = _error(http.post("/v1/completions", json={**ok, "logit_bias": {"x": 1}}), 400)
+        assert err["param"] == "logit_bias"
+        err = _error(http.post("/v1/completions", json={**ok, "logit_bias": {str(vocab): 1}}), 400)
+        assert err["param"] == "logit_bias"
         assert http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}}).status_code == 200
         wrong_method = http.get("/v1/completions")
         assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
@@ -313,6 +324,62 @@ def _wait_idle(live, timeout: float = 20.0) -> None:
 def _metric(live, name: str) -> float:
     text = live.http().get("/metrics").text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+                                      "ok": {"type": "boolean"}}, "required": ["tags", "ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+     "additionalProperties": False},
+]
+
+
+def test_structured_output_obeys_its_schema_beside_free_text_rows_with_no_new_graphs(live):
+    import jsonschema
+
+    client = live.client()
+    compiles = compile_stats.compile_count()
+
+    def schema_chat(i):
+        return client.chat.completions.create(
+            model=ADAPTERS[i % 3], messages=[{"role": "user", "content": f"Person {i} as JSON"}], max_tokens=80,
+            temperature=0.0 if i % 2 else 0.9, seed=i,
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i % 3]}})
+
+    def free(i):
+        return client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=12, temperature=0.0,
+                                         extra_body={"ignore_eos": True})
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(9) as pool:
+        structured = [pool.submit(schema_chat, i) for i in range(6)]
+        texts = [pool.submit(free, i) for i in range(3)]
+        choice = pool.submit(client.completions.create, model="a1", prompt="Pick", max_tokens=8,
+                             extra_body={"guided_choice": ["red", "green", "dark blue"]})
+        regex = pool.submit(client.completions.create, model="tiny", prompt="Code:", max_tokens=12,
+                            extra_body={"guided_regex": r"[A-Z]{2}-[0-9]{3}"})
+        obj = pool.submit(client.chat.completions.create, model="a2", max_tokens=40,
+                          messages=[{"role": "user", "content": "Any JSON object"}], response_format={"type": "json_object"})
+    for i, f in enumerate(structured):
+        choice_ = f.result().choices[0]
+        assert choice_.finish_reason == "stop", choice_
+        jsonschema.validate(json.loads(choice_.message.content), SCHEMAS[i % 3])
+    refs = live.offline(PROMPTS[:3], None, 12)
+    assert [t.result().choices[0].text for t in texts] == [r.outputs[0].text for r in refs]
+    assert choice.result().choices[0].text in ("red", "green", "dark blue")
+    import re
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", regex.result().choices[0].text)
+    obj_choice = obj.result().choices[0]  # any object: the tiny model may not close it within max_tokens
+    assert obj_choice.message.content.startswith("{")
+    if obj_choice.finish_reason == "stop":
+        assert isinstance(json.loads(obj_choice.message.content), dict)
+    biased = client.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=0.0, logit_bias={"42": 100},
+                                       extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=0)
+    assert biased.choices[0].logprobs.tokens == ["token_id:42"] * 4
+    assert compile_stats.compile_count() == compiles
 
 
 def test_tokenize_detokenize_version_and_one_model(live):

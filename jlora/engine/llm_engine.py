@@ -31,6 +31,7 @@ from jlora.engine.detokenizer import IncrementalDetokenizer
 from jlora.engine.output_processor import OutputProcessor
 from jlora.engine.runner import ModelRunner, RowFailed
 from jlora.engine.scheduler import Scheduler
+from jlora.engine.structured import GrammarCompiler
 from jlora.engine.sequence import Request, Sequence, SeqState
 from jlora.outputs import RequestOutput
 from jlora.sampling_params import SamplingParams
@@ -66,6 +67,7 @@ class LLMEngine:
                                        max_cpu_loras=config.max_cpu_loras, dtype=model.dtype)
         self.scheduler = Scheduler(config, self.adapters)
         self.output = OutputProcessor(config.max_model_len, eos_token_id)
+        self.grammars = GrammarCompiler(tokenizer, model.cfg.vocab_size)
         self.requests: dict[str, Request] = {}
         self.num_failed_steps = 0
         self._ids = itertools.count()
@@ -135,8 +137,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**32)
+        so = params.structured_outputs
+        matchers = [self.grammars.matcher(so) for _ in range(params.n)] if so is not None else [None] * params.n
         seqs = [Sequence(request_id, i, ids, params, (base_seed + 7919 * i) % 2**32, lora_request, handle,
-                         detok=IncrementalDetokenizer(self.tokenizer)) for i in range(params.n)]
+                         detok=IncrementalDetokenizer(self.tokenizer), matcher=matchers[i]) for i in range(params.n)]
         req = Request(request_id, prompt_text, ids, params, lora_request, seqs)
         req.metrics.num_prompt_tokens = len(ids)
         req.streamed_chars = [0] * params.n

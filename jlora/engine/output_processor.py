@@ -32,6 +32,8 @@ class OutputProcessor:
             return "stop", tok
         if enough and not p.ignore_eos and tok == self.eos_token_id:
             return "stop", None
+        if s.matcher is not None and not s.matcher.consume_token(tok):
+            raise ValueError(f"token {tok} is not allowed by the sample's grammar: {s.matcher.get_error()}")
         if p.logprobs is not None:
             top = {int(i): float(lp) for i, lp in zip(out["top_ids"][row][: p.logprobs],
                                                       out["top_logprobs"][row][: p.logprobs])}
@@ -48,6 +50,8 @@ class OutputProcessor:
                 at, stop = min(hits)
                 s.text = s.text[:at]
                 return "stop", stop
+        if s.matcher is not None and s.matcher.is_stopped():  # the grammar is complete: nothing may follow
+            return "stop", None
         max_new = p.max_tokens if p.max_tokens is not None else self.max_model_len
         if len(s.output_ids) >= max_new or s.total_len >= self.max_model_len:
             return "length", None

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from jlora import compile_stats
 from jlora.engine.config import EngineConfig
+from jlora.engine.structured import fill_mask
 from jlora.models.llama import AttnGroup, Llama, LoRAState, host_zeros, init_cache
 from jlora.sampling import SamplingRow, empty_sampling_batch, fill_sampling_row, sample
 
@@ -88,7 +89,7 @@ class ModelRunner:
             dec_positions=np.full((r,), -1, np.int32), dec_tables=np.zeros((r, c.blocks_per_seq), np.int32),
             pre_positions=np.full((p, q), -1, np.int32), pre_tables=np.zeros((p, c.blocks_per_seq), np.int32),
             sample_index=np.arange(r, dtype=np.int32),
-            sampling=empty_sampling_batch(r, c.max_model_len))
+            sampling=empty_sampling_batch(r, c.max_model_len, self.cfg.vocab_size))
 
     def build_batch(self, plan: StepPlan) -> dict[str, Any]:
         """The host arrays of `plan` (layout in `empty_batch`). Raises RowFailed naming the
@@ -116,6 +117,8 @@ class ModelRunner:
             with _blame(s):
                 fill_sampling_row(batch["sampling"], row,
                                   SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_ids, self.eos_token_id))
+                if s.matcher is not None:
+                    fill_mask(s.matcher, batch["sampling"]["allowed"], row)
         return batch
 
     def step(self, lora_state: LoRAState | None, batch: dict[str, Any]) -> dict[str, np.ndarray]:

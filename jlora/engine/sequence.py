@@ -41,6 +41,7 @@ class Sequence:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     detok: Any = None  # IncrementalDetokenizer of output_ids (text = its text, cut at a stop string)
+    matcher: Any = None  # llguidance matcher of the sample's grammar (structured output), or None
 
     @property
     def all_ids(self) -> list[int]:

@@ -10,7 +10,8 @@ import uuid
 from typing import Any, AsyncIterator
 
 from jlora.adapters.request import LoRARequest
-from jlora.sampling_params import SamplingParams
+from jlora.engine.structured import GrammarCompiler
+from jlora.sampling_params import SamplingParams, StructuredOutputsParams
 from jlora.engine.llm_engine import QueueFullError
 from jlora.server.engine_thread import EngineThread, ShuttingDown, Update
 from jlora.server.limits import RETRY_AFTER_S
@@ -22,15 +23,46 @@ Prompt = dict[str, Any]  # {"prompt_token_ids": [...], "prompt": text or None}
 # ---- request -> engine inputs ------------------------------------------------------------------------
 
 
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's grammar, from `response_format` or vLLM's fields (at most one), and the field
+    that gave it (for error messages)."""
+    rf = req.response_format
+    given = {}
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        else:
+            given["response_format"] = {"json": rf.json_schema.schema_}
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            given[name] = {key: getattr(req, name)}
+    if req.structured_outputs is not None:
+        given["structured_outputs"] = req.structured_outputs
+    if not given:
+        return None, ""
+    if len(given) > 1:
+        raise APIError(400, f"give one of {sorted(given)}, not several", param=sorted(given)[1])
+    (field, kw), = given.items()
+    try:
+        return StructuredOutputsParams(**kw), field
+    except (TypeError, ValueError) as e:
+        raise APIError(400, f"{field}: {e}", param=field) from None
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                     logprobs: int | None, vocab_size: int, max_n: int) -> SamplingParams:
     """SamplingParams from the request, checked against the engine (vocabulary, `--max-n`); its
     ValueError becomes a 400 naming the field."""
+    structured, structured_field = structured_outputs(req)
+    bias = None
     if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format type {req.response_format.type!r} is not supported (only 'text')",
-                       param="response_format")
+        try:
+            bias = {int(t): v for t, v in req.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
     kw = dict(temperature=1.0 if req.temperature is None else req.temperature,
               top_p=1.0 if req.top_p is None else req.top_p,
               top_k=-1 if req.top_k is None else req.top_k,
@@ -38,11 +70,11 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
               repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
               presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
               max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
-              stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs, n=req.n)
+              stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs, n=req.n, logit_bias=bias,
+              structured_outputs=structured)
     try:
         params = SamplingParams(**kw)
         params.check_for_engine(vocab_size, max_n)
-        return params
     except ValueError as e:
         m = re.match(r"SamplingParams\.(\w+)=(.*)", str(e), re.S)
         if m is None:
@@ -51,6 +83,13 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         if field == "logprobs" and isinstance(req, ChatCompletionRequest):
             field = "top_logprobs"  # the chat API's name for the count
         raise APIError(400, f"{field}={m.group(2)}", param=field) from e
+    if structured is not None:
+        try:
+            GrammarCompiler.check(structured)
+        except ValueError as e:
+            why = str(e).split(": ", 1)[-1]
+            raise APIError(400, f"{structured_field}: {why}", param=structured_field) from None
+    return params
 
 
 def check_text_size(text: str, max_bytes: int, field: str) -> None:

@@ -13,7 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from jlora.sampling_params import BOUNDS, INT32_MAX, MAX_BANNED, MAX_STOP_CHARS, MAX_STOP_STRINGS, OPEN_LOW
+from jlora.sampling_params import (
+    BOUNDS, INT32_MAX, MAX_BANNED, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, OPEN_LOW,
+)
 
 
 def _utf8(s: str) -> str:
@@ -44,8 +46,16 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+class JSONSchemaFormat(_Body):
+    name: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+    description: Text | None = None
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 StopField = Text | Annotated[list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
@@ -64,7 +74,8 @@ class _SamplingFields(_Body):
     seed: _bounded("seed", True) | None = None
     presence_penalty: _bounded("presence_penalty") | None = None
     frequency_penalty: _bounded("frequency_penalty") | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None  # token id (as a string) -> bias
     user: Text | None = None
     response_format: ResponseFormat | None = None  # only "text" (the default) is served
     # vLLM's extra sampling fields
@@ -75,6 +86,12 @@ class _SamplingFields(_Body):
     ignore_eos: StrictBool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_BANNED - 1)] | None = None
     return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>" (vLLM's field)
+    # vLLM's structured output fields (extra_body): one of them, or response_format
+    structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(_SamplingFields):
