@@ -8,6 +8,10 @@ rounds in one process, median (and best) per system. The number to compare acros
 mixed / base (absolute tok/s move with the machine's load).
 
     PYTHONPATH=. python benchmarks/bench_lora_cost.py [--rounds 3] [--lora-impl auto]
+
+`--packages jlora,jlora_old` runs several copies of jlora in one process, rounds interleaved
+(an older checkout copied under another package name, every `jlora` import renamed), so a
+before/after comparison shares the machine's load.
 """
 
 from __future__ import annotations
@@ -58,41 +62,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--lora-impl", default="auto")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--packages", default="jlora", help="comma-separated jlora copies to time side by side")
     args = p.parse_args(argv)
 
-    import jlora
-    from jlora import LLM, LoRARequest, SamplingParams, compile_stats
+    import importlib
+
     from jlora.bench import make_prompts
 
-    llm = LLM(max_model_len=args.max_model_len, max_num_seqs=16, max_num_batched_tokens=512, max_loras=4,
-              max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False)
     root = Path(tempfile.mkdtemp(prefix="jlora-lora-cost-"))
-    paths = write_adapters(root, llm.engine.adapters.model_cfg)
-    reqs = [LoRARequest(p.name, i + 1, str(p)) for i, p in enumerate(paths)]
-    prompts = [{"prompt_token_ids": ids} for ids in make_prompts(llm.tokenizer, args.requests, 16, 64)]
-    per_prompt = [reqs[i % len(reqs)] for i in range(len(prompts))]
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    params, prompts, paths, runs = None, None, None, []  # runs: (package, system, fn)
+    for pkg in args.packages.split(","):
+        mod = importlib.import_module(pkg)
+        llm = mod.LLM(max_model_len=args.max_model_len, max_num_seqs=16, max_num_batched_tokens=512, max_loras=4,
+                      max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False)
+        paths = paths or write_adapters(root, llm.engine.adapters.model_cfg)
+        reqs = [mod.LoRARequest(p.name, i + 1, str(p)) for i, p in enumerate(paths)]
+        prompts = prompts or [{"prompt_token_ids": ids} for ids in make_prompts(llm.tokenizer, args.requests, 16, 64)]
+        params = mod.SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+        per_prompt = [reqs[i % len(reqs)] for i in range(len(prompts))]
 
-    def run(loras) -> int:
-        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs)
+        def run(loras, llm=llm, params=params) -> int:
+            outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs)
 
-    run(per_prompt)  # adapters into their slots (not timed)
-    before = compile_stats.compile_count()
-    systems = {"mixed": per_prompt, "base": None}
-    secs: dict[str, list[float]] = {k: [] for k in systems}
-    tokens: dict[str, int] = {}
-    for _ in range(args.rounds):
-        for name, loras in systems.items():
+        run(per_prompt)  # adapters into their slots (not timed)
+        runs += [(pkg, "mixed", lambda run=run, p=per_prompt: run(p)), (pkg, "base", lambda run=run: run(None))]
+    counters = {pkg: importlib.import_module(f"{pkg}.compile_stats") for pkg in args.packages.split(",")}
+    before = {pkg: c.compile_count() for pkg, c in counters.items()}
+    secs: dict[tuple[str, str], list[float]] = {(pkg, name): [] for pkg, name, _ in runs}
+    tokens: dict[tuple[str, str], int] = {}
+    for _ in range(args.rounds):  # interleaved, so drifting load hits every system alike
+        for pkg, name, fn in runs:
             t = time.perf_counter()
-            tokens[name] = run(loras)
-            secs[name].append(time.perf_counter() - t)
-    tok_s = {k: tokens[k] / statistics.median(v) for k, v in secs.items()}
-    best = {k: tokens[k] / min(v) for k, v in secs.items()}  # the least disturbed round of each
-    out = {"jlora": str(Path(jlora.__file__).parent), "lora_impl": args.lora_impl, "tok_s": tok_s,
-           "mixed_over_base": tok_s["mixed"] / tok_s["base"], "best_tok_s": best,
-           "best_mixed_over_base": best["mixed"] / best["base"], "seconds": secs,
-           "compiles_after_warmup": compile_stats.compile_count() - before}
+            tokens[pkg, name] = fn()
+            secs[pkg, name].append(time.perf_counter() - t)
+    out: dict = {"lora_impl": args.lora_impl, "rounds": args.rounds}
+    for pkg in args.packages.split(","):
+        tok_s = {n: tokens[pkg, n] / statistics.median(secs[pkg, n]) for n in ("mixed", "base")}
+        best = {n: tokens[pkg, n] / min(secs[pkg, n]) for n in ("mixed", "base")}  # least disturbed round
+        out[pkg] = {"tok_s": tok_s, "mixed_over_base": tok_s["mixed"] / tok_s["base"], "best_tok_s": best,
+                    "best_mixed_over_base": best["mixed"] / best["base"],
+                    "seconds": {n: secs[pkg, n] for n in ("mixed", "base")},
+                    "compiles_after_warmup": counters[pkg].compile_count() - before[pkg]}
     print(json.dumps(out, indent=1))
     return 0
 

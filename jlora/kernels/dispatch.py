@@ -92,8 +92,8 @@ def lora_delta(
     """
     validate_lora_args(x, a, b, slot_ids, splits)
     check_choice("impl", impl, CHOICES)
-    if impl == "auto":
-        impl = choose_impl(x.shape[0], x.shape[1], b.shape[2], a.shape[0], a.shape[2])
+    if impl == "auto":  # a packed module picks as its sub-modules would (R = b's rank axis)
+        impl = choose_impl(x.shape[0], x.shape[1], b.shape[2], a.shape[0], b.shape[1])
     if impl == "pallas":
         return lora_delta_pallas(x, a, b, slot_ids, interpret=interpret, splits=splits)
     return IMPLS[impl](x, a, b, slot_ids, splits=splits)
