@@ -46,10 +46,12 @@ def lora_delta_laned(
         h = jax.lax.dot_general(xb, a, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
         keep = slot_ids[None, :] == slots[:, None]  # [N, T]
         h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)  # [N, T, R] (S*R lanes when packed)
-        y = expand_splits(h, b, splits, lambda h, b: jnp.einsum("ntr,nro->to", h, b, preferred_element_type=jnp.float32))
+        y = expand_splits(h, b, splits, lambda h, b: jnp.einsum("ntr,nro->to", h, b,
+                                                                preferred_element_type=jnp.float32))
     else:
         h = jnp.einsum("td,ndr->tnr", x, a, preferred_element_type=jnp.float32)  # [T, N, R]
         keep = slot_ids[:, None] == slots[None, :]  # [T, N]
         h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)
-        y = expand_splits(h, b, splits, lambda h, b: jnp.einsum("tnr,nro->to", h, b, preferred_element_type=jnp.float32))
+        y = expand_splits(h, b, splits, lambda h, b: jnp.einsum("tnr,nro->to", h, b,
+                                                                preferred_element_type=jnp.float32))
     return y.astype(x.dtype)
