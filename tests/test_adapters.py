@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from jlora.adapters import (
     AdapterManager, LoRAAdapter, LoRARequest, NoFreeSlotError, convert, convert_main, load_adapter, padded_update,
-    read_adapter, read_peft_adapter, save_adapter, set_slot,
+    read_adapter, read_peft_adapter, save_adapter, set_slot, slot_module,
 )
 from jlora.models import LlamaConfig, init_lora_state
 
@@ -374,15 +374,14 @@ def test_set_slot_one_graph_donated_and_correct():
                                         (np.int32(2), adapters[2]), (dev_slot, adapters[0])]):
             old = state
             state = set_slot(state, slot, padded_update(ad, CFG, R))
-            assert old["q_proj"]["A"].is_deleted() and old["down_proj"]["B"].is_deleted()  # donated
+            assert old["qkv_proj"]["A"].is_deleted() and old["down_proj"]["B"].is_deleted()  # donated
             if k == 0:
                 first = cc.n
     assert first <= 1 and cc.n == first, f"set_slot compiled {cc.n} times"
     # final contents: slot 0 = adapters[3], slot 1 = adapters[0], slot 2 = adapters[2]; others cleared
     for slot, ad in [(0, adapters[3]), (1, adapters[0]), (2, adapters[2])]:
         for m in PARENT:
-            A = np.asarray(state[m]["A"])[:, slot]
-            B = np.asarray(state[m]["B"])[:, slot]
+            A, B = slot_module(state, CFG, slot, m)  # the module's lanes / columns of its packed module
             if m in ad.weights:
                 r = ad.ranks[m]
                 np.testing.assert_array_equal(A[..., :r], ad.weights[m][0])
@@ -401,11 +400,11 @@ def test_set_slot_validates():
     with pytest.raises(ValueError, match="slot=-1"):
         set_slot(state, -1, upd)
     bad = padded_update(None, CFG, 8)
-    with pytest.raises(ValueError, match=r"update\['q_proj'\]\['A'\] has shape \(2, 64, 8\)"):
+    with pytest.raises(ValueError, match=r"update\['qkv_proj'\]\['A'\] has shape \(2, 64, 24\)"):
         set_slot(state, 0, bad)
     with pytest.raises(ValueError, match="modules"):
-        set_slot(state, 0, {"q_proj": upd["q_proj"]})
-    assert not state["q_proj"]["A"].is_deleted()  # nothing was donated on a rejected call
+        set_slot(state, 0, {"qkv_proj": upd["qkv_proj"]})
+    assert not state["qkv_proj"]["A"].is_deleted()  # nothing was donated on a rejected call
 
 
 def test_padded_update_rejects():

@@ -34,6 +34,18 @@ ADAPTERS = {
     "layers": dict(r=5, lora_alpha=10, target_modules=["q_proj", "gate_proj", "o_proj"], layers_to_transform=[1],
                    layers_pattern="layers", use_rslora=True, fan_in_fan_out=False),
 }
+# Sub-modules of the packed modules (qkv_proj, gate_up_proj) in every combination: the others of
+# their packed module must contribute exactly nothing, and per-module ranks must land in their lanes.
+PACKED = {
+    "q_only": dict(r=4, lora_alpha=8, target_modules=["q_proj"]),
+    "k_only": dict(r=3, lora_alpha=6, target_modules=["k_proj"]),
+    "q_v": dict(r=6, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
+    "qkv_ranks": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"],
+                      rank_pattern={"q_proj": 2, "v_proj": 8}, alpha_pattern={"k_proj": 20}),
+    "gate_only": dict(r=5, lora_alpha=10, target_modules=["gate_proj"]),
+    "up_only": dict(r=8, lora_alpha=8, target_modules=["up_proj"], use_rslora=True),
+    "gate_up_ranks": dict(r=3, lora_alpha=6, target_modules=["gate_proj", "up_proj"], rank_pattern={"up_proj": 7}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +58,7 @@ def setup(tmp_path_factory):
     )
     base = transformers.LlamaForCausalLM(hf_cfg).eval()
     base.save_pretrained(root / "base", safe_serialization=True)
-    for i, (name, kw) in enumerate(ADAPTERS.items()):
+    for i, (name, kw) in enumerate({**ADAPTERS, **PACKED}.items()):
         torch.manual_seed(100 + i)
         fresh = transformers.LlamaForCausalLM.from_pretrained(root / "base")
         pm = peft.get_peft_model(fresh, peft.LoraConfig(init_lora_weights=False, **kw))
@@ -56,7 +68,7 @@ def setup(tmp_path_factory):
                     p.mul_(3.0)  # make every adapter's effect plainly visible in the logits
         pm.save_pretrained(root / name)
     model = transformers.LlamaForCausalLM.from_pretrained(root / "base").eval()
-    names = list(ADAPTERS)
+    names = list(ADAPTERS) + list(PACKED)
     pm = peft.PeftModel.from_pretrained(model, root / names[0], adapter_name=names[0])
     for name in names[1:]:
         pm.load_adapter(root / name, adapter_name=name)
@@ -70,18 +82,19 @@ def _tokens(bsz: int, t: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 256, size=(bsz, t)).astype(np.int32)
 
 
-def _jlora_logits(jmodel, cfg, lora_state, tokens, slots):
+def _jlora_logits(jmodel, cfg, lora_state, tokens, slots, lora_impl="auto"):
     """Full logits [B, T, V] from one jitted forward (jax.jit over nnx.split, as the engine does)."""
     bsz, t = tokens.shape
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (bsz, t))
     graphdef, params = nnx.split(jmodel)
     return np.asarray(_forward(graphdef, params, tokens, positions, init_cache(cfg, bsz, t), lora_state,
-                               np.asarray(slots, np.int32)))
+                               np.asarray(slots, np.int32), lora_impl))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, params, tokens, positions, cache, lora_state, slots):
-    logits, _ = nnx.merge(graphdef, params)(tokens, positions, cache, lora_state, slots, logits_index=None)
+@functools.partial(jax.jit, static_argnums=(0, 7))
+def _forward(graphdef, params, tokens, positions, cache, lora_state, slots, lora_impl):
+    logits, _ = nnx.merge(graphdef, params)(tokens, positions, cache, lora_state, slots, logits_index=None,
+                                            lora_impl=lora_impl)
     return logits
 
 
@@ -142,3 +155,25 @@ def test_manager_path_matches_peft(setup):
     want = _peft_logits(pm, tokens, ["__base__" if r is None else r for r in rows])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     jax.block_until_ready(mgr.lora_state)
+
+
+@pytest.mark.parametrize("impl", ["gather", "laned", "grouped", "pallas"])
+def test_packed_sub_modules_match_peft(setup, impl):
+    """q/k/v and gate/up adapters in every combination, one mixed batch with base rows, per kernel."""
+    root, cfg, jmodel, pm = setup
+    names = list(PACKED)
+    state = init_lora_state(cfg, len(names), MAX_RANK)
+    slot_of = {name: (3 * k + 1) % len(names) for k, name in enumerate(names)}  # scrambled
+    for name in names:
+        ad = read_peft_adapter(root / name, cfg, MAX_RANK)
+        assert set(ad.weights) == set(PACKED[name]["target_modules"])
+        state = set_slot(state, slot_of[name], padded_update(ad, cfg, MAX_RANK))
+    rows = names[:4] + [None] + names[4:] + [None]
+    tokens = _tokens(len(rows), 5)
+    got = _jlora_logits(jmodel, cfg, state, tokens, [-1 if r is None else slot_of[r] for r in rows], impl)
+    want = _peft_logits(pm, tokens, ["__base__" if r is None else r for r in rows])
+    base = _peft_logits(pm, tokens, ["__base__"] * len(rows))
+    for b, r in enumerate(rows):
+        np.testing.assert_allclose(got[b], want[b], rtol=1e-4, atol=1e-4, err_msg=f"row {b} adapter {r} ({impl})")
+        if r is not None:
+            assert np.abs(want[b] - base[b]).max() > 0.05, f"adapter {r} barely changes the logits"

@@ -157,3 +157,51 @@ def test_bad_adapters_raise_and_engine_keeps_serving(real_llm, peft_adapters, tm
     # Nothing was queued by the failed calls, and the engine still answers correctly.
     assert not real_llm.engine.has_unfinished()
     assert real_llm.generate(["Hello"], params)[0].outputs[0].token_ids == expected
+
+
+# Sub-modules of the packed modules (q/k/v as one GEMM, gate/up as one) in every combination.
+PACKED_SPECS = {
+    "q-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj"]),
+    "qv-r16": dict(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "qkv-ranks": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"],
+                      rank_pattern={"q_proj": 4, "v_proj": 32}),
+    "gate-r8": dict(r=8, lora_alpha=16, target_modules=["gate_proj"]),
+    "up-r16": dict(r=16, lora_alpha=32, target_modules=["up_proj"], use_rslora=True),
+    "gate-up-ranks": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj"], rank_pattern={"up_proj": 24}),
+}
+
+
+@pytest.fixture(scope="module")
+def packed_adapters(hf_real, tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = hf_real
+    root = tmp_path_factory.mktemp("peft_real_packed")
+    paths = {}
+    for i, (name, spec) in enumerate(PACKED_SPECS.items()):
+        torch.manual_seed(200 + i)
+        pm = get_peft_model(model, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **spec), adapter_name=name)
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(0.5)
+        pm.save_pretrained(root, selected_adapters=[name])
+        paths[name] = root / name
+        pm.unload()
+    return paths
+
+
+@pytest.mark.parametrize("group", [["q-r8", "qv-r16", "qkv-ranks"], ["gate-r8", "up-r16", "gate-up-ranks"]],
+                         ids=["qkv", "gate_up"])
+def test_packed_sub_modules_greedy_match_peft(real_llm, hf_real, packed_adapters, group):
+    """Each combination's greedy tokens in one mixed batch (with a base row) equal peft's."""
+    reqs = [LoRARequest(n, 300 + list(PACKED_SPECS).index(n), str(packed_adapters[n])) for n in group]
+    rows = [(PROMPTS[i], r) for i, r in enumerate(reqs)] + [(PROMPTS[3], None)]
+    outs = real_llm.chat([[{"role": "user", "content": p}] for p, _ in rows],
+                         SamplingParams(temperature=0.0, max_tokens=16), [r for _, r in rows])
+    for (prompt, req), out in zip(rows, outs):
+        if req is None:
+            continue
+        ids = real_llm.apply_chat_template([{"role": "user", "content": prompt}])
+        ref_tokens, _ = peft_greedy_and_logits(hf_real, packed_adapters[req.lora_name], ids, 16)
+        assert out.outputs[0].token_ids == ref_tokens, (req.lora_name, prompt)

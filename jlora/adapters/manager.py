@@ -1,8 +1,12 @@
 """Device adapter slots: one jitted `set_slot`, and the AdapterManager that decides what goes where.
 
-All slots live in one fixed-shape pytree (see DESIGN.md):
+All slots live in one fixed-shape pytree (see DESIGN.md), one entry per packed module
+(`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`; S sub-modules each):
 
-    lora_state[module] = {"A": [L, N, in, R], "B": [L, N, R, out]}
+    lora_state[packed module] = {"A": [L, N, in, S*R], "B": [L, N, R, out]}
+
+`padded_update` lays an adapter's per-module (PEFT) weights out that way: sub-module s's A in
+lanes [s*R, s*R + r), its B in rows [0, r) of its own output columns, zeros elsewhere.
 
 `set_slot` writes one adapter into one slot. The slot is a traced int32 scalar and the update is
 already zero-padded to R on the host, so one compiled graph serves every slot, adapter and rank;
@@ -50,8 +54,8 @@ from jlora.adapters.peft import (
     is_jlora_adapter_dir, read_adapter,
 )
 from jlora.adapters.request import LoRARequest
-from jlora.models.config import LlamaConfig
-from jlora.models.llama import LORA_MODULES, LoRAState, host_zeros, init_lora_state
+from jlora.models.config import PACKED_MODULES, LlamaConfig
+from jlora.models.llama import LORA_MODULES, LoRAState, host_zeros, init_lora_state, lora_state_modules
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +73,15 @@ def _set_slot_jit(lora_state: LoRAState, slot: jax.Array, update: dict[str, dict
     for m, s in lora_state.items():
         out[m] = {}
         for k in ("A", "B"):
-            u = update[m][k]  # [L, in, R] / [L, R, out]
+            u = update[m][k]  # [L, in, S*R] / [L, R, out]
             out[m][k] = lax.dynamic_update_slice(s[k], u[:, None].astype(s[k].dtype), (0, slot, 0, 0))
     return out
 
 
 def set_slot(
-    lora_state: LoRAState,  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}; donated
+    lora_state: LoRAState,  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}; donated
     slot: int | jax.Array,  # i32 scalar in [0, N)
-    update: dict[str, dict[str, Any]],  # module -> {"A": [L, in, R], "B": [L, R, out]}, zero-padded to R
+    update: dict[str, dict[str, Any]],  # packed module -> {"A": [L, in, S*R], "B": [L, R, out]} (padded_update)
 ) -> LoRAState:
     """Write `update` into slot `slot` of `lora_state`; returns the new state (the old one is deleted).
 
@@ -105,10 +109,10 @@ def set_slot(
         want_b = s["B"].shape[:1] + s["B"].shape[2:]
         if tuple(u["A"].shape) != want_a:
             raise ValueError(f"set_slot: update[{m!r}]['A'] has shape {tuple(u['A'].shape)}, expected {want_a} "
-                             f"[L, in, R] (pad the rank to R on the host)")
+                             f"[L, in, S*R] (padded_update lays an adapter out)")
         if tuple(u["B"].shape) != want_b:
             raise ValueError(f"set_slot: update[{m!r}]['B'] has shape {tuple(u['B'].shape)}, expected {want_b} "
-                             f"[L, R, out] (pad the rank to R on the host)")
+                             f"[L, R, out] (padded_update lays an adapter out)")
         upd[m] = {k: _as_dtype(u[k], s[k].dtype) for k in ("A", "B")}
     return _set_slot_jit(lora_state, slot, upd)
 
@@ -126,11 +130,14 @@ def padded_update(
     modules: tuple[str, ...] = LORA_MODULES,
     dtype: Any = np.float32,
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Host arrays for `set_slot`: every module in `modules`, rank zero-padded to `max_rank`.
+    """Host arrays for `set_slot`: the packed layout of the LoRA state holding PEFT `modules`.
 
+    Per packed module {"A": [L, in, S*R], "B": [L, R, out]} with R = `max_rank`: sub-module s
+    (q, k, v of `qkv_proj`; gate, up of `gate_up_proj`) has its A in lanes [s*R, s*R + r) and its
+    B in rows [0, r) of its own output columns; what the adapter does not target stays zero.
     `adapter=None` gives all zeros (an empty slot).
     """
-    shapes = model_cfg.module_shapes()
+    shapes = model_cfg.packed_shapes()
     L = model_cfg.num_hidden_layers
     dtype = np.dtype(dtype)
     if adapter is not None:
@@ -141,17 +148,34 @@ def padded_update(
         if adapter.rank > max_rank:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, above max_lora_rank={max_rank}")
     out = {}
-    for m in modules:
-        d_in, d_out = shapes[m]
-        a = np.zeros((L, d_in, max_rank), dtype)
-        b = np.zeros((L, max_rank, d_out), dtype)
-        if adapter is not None and m in adapter.weights:
-            wa, wb = adapter.weights[m]
-            r = wa.shape[-1]
-            a[:, :, :r] = wa
-            b[:, :r, :] = wb
-        out[m] = {"A": a, "B": b}
+    for f in lora_state_modules(modules):
+        d_in, outs = shapes[f]
+        a = np.zeros((L, d_in, len(outs) * max_rank), dtype)
+        b = np.zeros((L, max_rank, sum(outs)), dtype)
+        col = 0
+        for s, (m, width) in enumerate(zip(PACKED_MODULES[f], outs)):
+            if adapter is not None and m in adapter.weights:
+                wa, wb = adapter.weights[m]  # [L, in, r], [L, r, out_m]
+                r = wa.shape[-1]
+                a[:, :, s * max_rank: s * max_rank + r] = wa
+                b[:, :r, col: col + width] = wb
+            col += width
+        out[f] = {"A": a, "B": b}
     return out
+
+
+def slot_module(
+    lora_state: LoRAState, model_cfg: LlamaConfig, slot: int, module: str,
+) -> tuple[np.ndarray, np.ndarray]:  # A [L, in, R], B [L, R, out]
+    """One PEFT module's A and B in one slot, read back out of the packed layout (for tests and
+    inspection; the inverse of `padded_update` for that module)."""
+    fused = next(f for f, subs in PACKED_MODULES.items() if module in subs)
+    s = PACKED_MODULES[fused].index(module)
+    outs = model_cfg.packed_shapes()[fused][1]
+    a, b = np.asarray(lora_state[fused]["A"][:, slot]), np.asarray(lora_state[fused]["B"][:, slot])
+    r = b.shape[1]
+    col = sum(outs[:s])
+    return a[:, :, s * r:(s + 1) * r], b[:, :, col:col + outs[s]]
 
 
 # ---- the manager ----------------------------------------------------------------------------------------

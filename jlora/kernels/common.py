@@ -12,8 +12,12 @@ import jax.numpy as jnp
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def validate_lora_args(x: jax.Array, a: jax.Array, b: jax.Array, slot_ids: jax.Array) -> None:
-    """Raise ValueError unless x [T, D], a [N, D, R], b [N, R, O], slot_ids int[T] fit together."""
+def validate_lora_args(x: jax.Array, a: jax.Array, b: jax.Array, slot_ids: jax.Array,
+                       splits: tuple[int, ...] | None = None) -> None:
+    """Raise ValueError unless x [T, D], a [N, D, R], b [N, R, O], slot_ids int[T] fit together.
+
+    With `splits` (a packed module, see `expand_splits`), a is [N, D, S*R] for S = len(splits)
+    and the splits are output widths adding up to O."""
     for name, arr, want in (("x", x, "[T, D]"), ("a", a, "[N, D, R]"), ("b", b, "[N, R, O]"), ("slot_ids", slot_ids, "[T]")):
         if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
             raise ValueError(f"{name} must be an array {want}, got {type(arr).__name__}")
@@ -25,7 +29,9 @@ def validate_lora_args(x: jax.Array, a: jax.Array, b: jax.Array, slot_ids: jax.A
         raise ValueError(f"a [N, D, R] has D={a.shape[1]} but x [T, D] has D={x.shape[1]} (a {a.shape}, x {x.shape})")
     if b.shape[0] != a.shape[0]:
         raise ValueError(f"b [N, R, O] has N={b.shape[0]} but a [N, D, R] has N={a.shape[0]} (a {a.shape}, b {b.shape})")
-    if b.shape[1] != a.shape[2]:
+    if splits is not None:
+        check_splits(splits, a, b)
+    elif b.shape[1] != a.shape[2]:
         raise ValueError(f"b [N, R, O] has R={b.shape[1]} but a [N, D, R] has R={a.shape[2]} (a {a.shape}, b {b.shape})")
     if slot_ids.shape != (x.shape[0],):
         raise ValueError(f"slot_ids must be int32[T] with T={x.shape[0]} (x {x.shape}), got shape {slot_ids.shape}")
@@ -34,6 +40,38 @@ def validate_lora_args(x: jax.Array, a: jax.Array, b: jax.Array, slot_ids: jax.A
     for name, arr in (("x", x), ("a", a), ("b", b)):
         if jnp.dtype(arr.dtype) not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {arr.dtype} (shape {arr.shape})")
+
+
+def check_splits(splits: tuple[int, ...], a: jax.Array, b: jax.Array) -> None:
+    if not isinstance(splits, tuple) or not splits or not all(
+            isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in splits):
+        raise ValueError(f"splits must be a non-empty tuple of positive ints (output widths), got {splits!r}")
+    if sum(splits) != b.shape[2]:
+        raise ValueError(f"splits {splits} add up to {sum(splits)} but b [N, R, O] has O={b.shape[2]} (b {b.shape})")
+    if a.shape[2] != len(splits) * b.shape[1]:
+        raise ValueError(f"a [N, D, S*R] has {a.shape[2]} lanes but {len(splits)} splits of b's R={b.shape[1]} "
+                         f"need {len(splits) * b.shape[1]} (a {a.shape}, b {b.shape})")
+
+
+def expand_splits(
+    h: jax.Array,  # [..., S*R]: the shrink of a packed module, sub-module s in lanes [s*R, (s+1)*R)
+    b: jax.Array,  # [..., R, O]: sub-module s owns output columns [sum(splits[:s]), sum(splits[:s+1]))
+    splits: tuple[int, ...] | None,
+    expand,  # (h_s [..., R], b_s [..., R, O_s]) -> [..., O_s]
+) -> jax.Array:
+    """The expand of a packed module (vLLM's packed modules: q/k/v or gate/up as one LoRA call).
+
+    A packed module's adapters keep each sub-module's A side by side, so the shrink is one matmul
+    to S*R lanes; each sub-module's R lanes then expand into its own output columns only (no
+    block-diagonal zeros in B). `splits=None` is one module: `expand(h, b)`."""
+    if splits is None:
+        return expand(h, b)
+    r = b.shape[-2]
+    outs, start = [], 0
+    for s, w in enumerate(splits):
+        outs.append(expand(h[..., s * r:(s + 1) * r], b[..., start:start + w]))
+        start += w
+    return jnp.concatenate(outs, axis=-1) if len(outs) > 1 else outs[0]
 
 
 def check_choice(name: str, value: object, choices: tuple) -> None:

@@ -72,7 +72,7 @@ def choose_impl(t: int, d: int, o: int, n: int, r: int, backend: str | None = No
     return "laned" if n * r <= PREFILL_LANED_MAX_NR else "grouped"
 
 
-@partial(jax.jit, static_argnames=("impl", "interpret"))
+@partial(jax.jit, static_argnames=("impl", "interpret", "splits"))
 def lora_delta(
     x: jax.Array,  # [T, D] f32/bf16
     a: jax.Array,  # [N, D, R]
@@ -81,15 +81,19 @@ def lora_delta(
     *,
     impl: str = "auto",  # "auto" | "gather" | "laned" | "grouped" | "pallas"
     interpret: bool | None = None,  # pallas only; None: interpret unless on its target
+    splits: tuple[int, ...] | None = None,  # packed module: a [N, D, S*R], output widths per sub-module
 ) -> jax.Array:  # [T, O] in x.dtype
     """Per token t with slot s = slot_ids[t]: x[t] @ a[s] @ b[s], zero where s is outside [0, N).
 
+    A packed module (`splits`, S sub-modules such as q/k/v): a [N, D, S*R] holds each
+    sub-module's A side by side and b [N, R, O] each sub-module's B in its own output columns
+    (widths `splits`); sub-module s is x @ a[s][:, s*R:(s+1)*R] @ b[s][:, its columns].
     f32 accumulation; the shrink result is cast to b.dtype before the expand; output in x.dtype.
     """
-    validate_lora_args(x, a, b, slot_ids)
+    validate_lora_args(x, a, b, slot_ids, splits)
     check_choice("impl", impl, CHOICES)
-    if impl == "auto":
-        impl = choose_impl(x.shape[0], x.shape[1], b.shape[2], a.shape[0], a.shape[2])
+    if impl == "auto":  # a packed module picks as its sub-modules would (R = b's rank axis)
+        impl = choose_impl(x.shape[0], x.shape[1], b.shape[2], a.shape[0], b.shape[1])
     if impl == "pallas":
-        return lora_delta_pallas(x, a, b, slot_ids, interpret=interpret)
-    return IMPLS[impl](x, a, b, slot_ids)
+        return lora_delta_pallas(x, a, b, slot_ids, interpret=interpret, splits=splits)
+    return IMPLS[impl](x, a, b, slot_ids, splits=splits)

@@ -22,7 +22,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jlora.kernels.common import check_block, check_choice, validate_lora_args
+from jlora.kernels.common import check_block, check_choice, expand_splits, validate_lora_args
 from jlora.kernels.tiles import GroupedPlan, grouped_plan
 
 METHODS = ("auto", "blocks", "ragged")
@@ -54,7 +54,7 @@ def _sort_by_slot(slot_ids: jax.Array, n: int):
     return order, rank, counts[:n]
 
 
-def _block_pass(xs, a, b, ys, first, n_blocks, block_t: int):
+def _block_pass(xs, a, b, ys, first, n_blocks, block_t: int, splits=None):
     """One loop over blocks of `block_t` sorted rows, block k using the slot first(k) names.
 
     xs [T, D] sorted tokens, ys [T, O] sorted output, updated with dynamic_update_slice (in
@@ -71,7 +71,8 @@ def _block_pass(xs, a, b, ys, first, n_blocks, block_t: int):
         s0 = jnp.minimum(start, t - block_t)
         rows = jax.lax.dynamic_slice_in_dim(xs, s0, block_t)  # [bt, D]
         h = jnp.dot(rows, a[g], preferred_element_type=jnp.float32).astype(b.dtype)  # [bt, R]
-        y = jnp.dot(h, b[g], preferred_element_type=jnp.float32).astype(ys.dtype)  # [bt, O]
+        y = expand_splits(h, b[g], splits, lambda h, b: jnp.dot(h, b, preferred_element_type=jnp.float32))
+        y = y.astype(ys.dtype)  # [bt, O]
         keep = (lane >= start - s0) & (lane < start - s0 + live)
         y = jnp.where(keep, y, jax.lax.dynamic_slice_in_dim(ys, s0, block_t))
         return jax.lax.dynamic_update_slice_in_dim(ys, y, s0, 0)
@@ -79,7 +80,7 @@ def _block_pass(xs, a, b, ys, first, n_blocks, block_t: int):
     return jax.lax.fori_loop(0, n_blocks, body, ys)
 
 
-def _blocks(x, a, b, slot_ids, plan: GroupedPlan):
+def _blocks(x, a, b, slot_ids, plan: GroupedPlan, splits=None):
     """Each slot's sorted tokens in blocks of `plan.big` rows; a remainder goes either into one
     more (padded) big block or into blocks of `plan.small` rows, whichever the cost model says
     is cheaper (a block costs `plan.overhead_rows` rows' worth of time on top of its rows)."""
@@ -105,23 +106,23 @@ def _blocks(x, a, b, slot_ids, plan: GroupedPlan):
 
         return first
 
-    ys = _block_pass(xs, a, b, ys, locate(big_end, n_big, lambda g: 0, big), big_end[-1], big)
+    ys = _block_pass(xs, a, b, ys, locate(big_end, n_big, lambda g: 0, big), big_end[-1], big, splits)
     small_first = locate(small_end, n_small, lambda g: (counts[g] // big) * big, small)
-    ys = _block_pass(xs, a, b, ys, small_first, small_end[-1], small)
+    ys = _block_pass(xs, a, b, ys, small_first, small_end[-1], small, splits)
     return ys[rank]  # rows of invalid ids sit past sum(counts): zeros
 
 
-def _ragged(x, a, b, slot_ids):
+def _ragged(x, a, b, slot_ids, splits=None):
     t, n = x.shape[0], a.shape[0]
     order, rank, counts = _sort_by_slot(slot_ids, n)
     xs = x[order]  # [T, D], invalid ids sorted last, beyond sum(counts)
     h = jax.lax.ragged_dot(xs, a, counts, preferred_element_type=jnp.float32).astype(b.dtype)
-    y = jax.lax.ragged_dot(h, b, counts, preferred_element_type=jnp.float32)
+    y = expand_splits(h, b, splits, lambda h, b: jax.lax.ragged_dot(h, b, counts, preferred_element_type=jnp.float32))
     y = jnp.where((jnp.arange(t) < jnp.sum(counts))[:, None], y, 0.0)  # rows of invalid ids
     return y.astype(x.dtype)[rank]
 
 
-@partial(jax.jit, static_argnames=("method", "block_t"))
+@partial(jax.jit, static_argnames=("method", "block_t", "splits"))
 def lora_delta_grouped(
     x: jax.Array,  # [T, D] f32/bf16
     a: jax.Array,  # [N, D, R]
@@ -130,16 +131,17 @@ def lora_delta_grouped(
     *,
     method: str = "auto",  # "auto" | "blocks" | "ragged"
     block_t: int | None = None,  # one block size for "blocks"; None = tiles.grouped_plan
+    splits: tuple[int, ...] | None = None,  # packed module: a [N, D, S*R], output widths per sub-module
 ) -> jax.Array:  # [T, O] in x.dtype
-    validate_lora_args(x, a, b, slot_ids)
+    validate_lora_args(x, a, b, slot_ids, splits)
     check_choice("method", method, METHODS)
     check_block("block_t", block_t)
     if method == "auto":
         method = "ragged" if jax.default_backend() == "tpu" else "blocks"
     if method == "ragged":
-        return _ragged(x, a, b, slot_ids)
+        return _ragged(x, a, b, slot_ids, splits)
     (t, d), (n, _, r), o = x.shape, a.shape, b.shape[2]
     plan = grouped_plan(t, d, o, n, r)
     if block_t is not None:
         plan = GroupedPlan(min(block_t, t), min(block_t, t), plan.overhead_rows)
-    return _blocks(x, a, b, slot_ids, plan)
+    return _blocks(x, a, b, slot_ids, plan, splits)

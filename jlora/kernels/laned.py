@@ -22,19 +22,21 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jlora.kernels.common import validate_lora_args
+from jlora.kernels.common import expand_splits, validate_lora_args
 
 BATCHED_SHRINK_MAX_T = 64  # crossover measured in a model-shaped stream on XLA:CPU (see above)
 
 
-@partial(jax.jit, static_argnames=())
+@partial(jax.jit, static_argnames=("splits",))
 def lora_delta_laned(
     x: jax.Array,  # [T, D] f32/bf16
     a: jax.Array,  # [N, D, R]
     b: jax.Array,  # [N, R, O]
     slot_ids: jax.Array,  # i32[T], -1 = no adapter
+    *,
+    splits: tuple[int, ...] | None = None,  # packed module: a [N, D, S*R], output widths per sub-module
 ) -> jax.Array:  # [T, O] in x.dtype
-    validate_lora_args(x, a, b, slot_ids)
+    validate_lora_args(x, a, b, slot_ids, splits)
     t, n = x.shape[0], a.shape[0]
     slots = jnp.arange(n, dtype=slot_ids.dtype)
     # An id outside [0, N) (-1, padding) matches no slot: its mask row is all zeros, so it never
@@ -43,11 +45,13 @@ def lora_delta_laned(
         xb = jnp.broadcast_to(x[None], (n, *x.shape))  # [N, T, D]
         h = jax.lax.dot_general(xb, a, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
         keep = slot_ids[None, :] == slots[:, None]  # [N, T]
-        h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)  # [N, T, R]
-        y = jnp.einsum("ntr,nro->to", h, b, preferred_element_type=jnp.float32)
+        h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)  # [N, T, R] (S*R lanes when packed)
+        y = expand_splits(h, b, splits, lambda h, b: jnp.einsum("ntr,nro->to", h, b,
+                                                                preferred_element_type=jnp.float32))
     else:
         h = jnp.einsum("td,ndr->tnr", x, a, preferred_element_type=jnp.float32)  # [T, N, R]
         keep = slot_ids[:, None] == slots[None, :]  # [T, N]
         h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)
-        y = jnp.einsum("tnr,nro->to", h, b, preferred_element_type=jnp.float32)
+        y = expand_splits(h, b, splits, lambda h, b: jnp.einsum("tnr,nro->to", h, b,
+                                                                preferred_element_type=jnp.float32))
     return y.astype(x.dtype)

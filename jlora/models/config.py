@@ -7,6 +7,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+# Packed modules (vLLM's term): linear layers that read the same input run as one GEMM, and their
+# LoRA slots as one shrink. Fused name -> its sub-modules (PEFT / Hugging Face names), in the
+# order their output columns appear in the fused weight [L, in, sum(out)].
+PACKED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+FUSED_OF = {sub: fused for fused, subs in PACKED_MODULES.items() for sub in subs}  # sub-module -> fused name
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -49,6 +60,11 @@ class LlamaConfig:
             "q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
             "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),
         }
+
+    def packed_shapes(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Fused module -> (in features, out features of each sub-module in column order)."""
+        shapes = self.module_shapes()
+        return {f: (shapes[subs[0]][0], tuple(shapes[m][1] for m in subs)) for f, subs in PACKED_MODULES.items()}
 
     # ---- constructors -------------------------------------------------------------
 

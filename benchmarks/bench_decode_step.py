@@ -1,0 +1,80 @@
+"""One decode step of the engine with 4 mixed adapters against the same step without adapters.
+
+The engine's own compiled step (ModelRunner.step, R=16 decode rows, no prefill), SmolLM2-135M
+float32, 4 PEFT adapters of ranks 8/16/8/32 on every linear layer in 4 slots of rank 32 (the
+reference workload's engine), rows round-robin over the adapters at ~48 cached positions. The two
+batches alternate call by call; medians over `--reps` calls each. Less noisy on a shared machine
+than whole `generate` runs (benchmarks/bench_lora_cost.py), which also include prefill.
+
+    PYTHONPATH=. python benchmarks/bench_decode_step.py [--reps 40] [--lora-impl auto]
+
+`--packages jlora,jlora_old` times several copies of jlora in one process, calls interleaved
+(an older checkout copied under another package name, e.g. `git archive REV jlora` with every
+`jlora` import renamed), so before/after comparisons share the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench_lora_cost import RANKS, write_adapters
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--lora-impl", default="auto")
+    p.add_argument("--packages", default="jlora", help="comma-separated jlora copies to time side by side")
+    args = p.parse_args(argv)
+
+    import importlib
+
+    root = Path(tempfile.mkdtemp(prefix="jlora-step-"))
+    paths = None
+    calls = []  # (package, name, fn)
+    for pkg in args.packages.split(","):
+        mod = importlib.import_module(pkg)
+        llm = mod.LLM(max_model_len=256, max_num_seqs=args.rows, max_num_batched_tokens=256, max_loras=4,
+                      max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False,
+                      decode_row_buckets=(args.rows,))
+        eng = llm.engine
+        paths = paths or write_adapters(root, eng.adapters.model_cfg)
+        slots = [eng.adapters.acquire(mod.LoRARequest(p.name, i + 1, str(p))) for i, p in enumerate(paths)]
+        batch = eng.runner.empty_batch((args.rows, 0, 0))
+        rng = np.random.default_rng(0)
+        c = eng.runner.config
+        per_seq = 64 // c.block_size + 1
+        for row in range(args.rows):
+            batch["tokens"][row] = rng.integers(0, 49152)
+            batch["dec_positions"][row] = 48
+            batch["dec_tables"][row, :per_seq] = np.arange(row * per_seq, (row + 1) * per_seq) % c.num_kv_blocks
+        mixed = {**batch, "slot_ids": np.array([slots[i % 4] for i in range(args.rows)], np.int32)}
+        base = {**batch, "slot_ids": np.full((args.rows,), -1, np.int32)}
+        for name, b in (("mixed", mixed), ("base", base)):
+            fn = (lambda eng, b: lambda: eng.runner.step(eng.adapters.lora_state, b))(eng, b)
+            fn()  # compiled at start-up; once more to settle
+            calls.append((pkg, name, fn))
+    times: dict[tuple[str, str], list[float]] = {(pkg, name): [] for pkg, name, _ in calls}
+    for _ in range(args.reps):
+        for pkg, name, fn in calls:
+            t = time.perf_counter()
+            fn()
+            times[pkg, name].append(time.perf_counter() - t)
+    out = {"lora_impl": args.lora_impl, "rows": args.rows, "reps": args.reps}
+    for pkg in args.packages.split(","):
+        med = {name: statistics.median(times[pkg, name]) * 1e3 for name in ("mixed", "base")}
+        out[pkg] = {"step_ms": med, "lora_ms": med["mixed"] - med["base"], "base_over_mixed": med["base"] / med["mixed"]}
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""The cost of LoRA inside the engine: jlora with 4 mixed adapters against jlora without adapters.
+
+The reference workload of DESIGN.md without the transformers baselines (so it needs no torch and
+runs against any jlora checkout): SmolLM2-135M float32, 16 requests of 16-64 prompt tokens, 64
+new tokens, greedy, EOS ignored, 4 PEFT adapters of ranks 8/16/8/32 on all linear layers,
+round-robin; one engine (max_loras=4, max_lora_rank=32); both systems timed in interleaved
+rounds in one process, median (and best) per system. The number to compare across versions is the ratio
+mixed / base (absolute tok/s move with the machine's load).
+
+    PYTHONPATH=. python benchmarks/bench_lora_cost.py [--rounds 3] [--lora-impl auto]
+
+`--packages jlora,jlora_old` runs several copies of jlora in one process, rounds interleaved
+(an older checkout copied under another package name, every `jlora` import renamed), so a
+before/after comparison shares the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RANKS = (8, 16, 8, 32)
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapters(root: Path, cfg, ranks=RANKS) -> list[Path]:
+    """PEFT directories (peft's key names), one per rank, every linear layer targeted."""
+    from safetensors.numpy import save_file
+
+    shapes = cfg.module_shapes()
+    paths = []
+    for i, r in enumerate(ranks):
+        rng = np.random.default_rng(i)
+        tensors = {}
+        for layer in range(cfg.num_hidden_layers):
+            for m in MODULES:
+                d_in, d_out = shapes[m]
+                parent = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                key = f"base_model.model.model.layers.{layer}.{parent}.{m}"
+                tensors[f"{key}.lora_A.weight"] = rng.normal(0, 1 / np.sqrt(d_in), (r, d_in)).astype(np.float32)
+                tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.01, (d_out, r)).astype(np.float32)
+        path = root / f"cost{i}-r{r}"
+        path.mkdir(parents=True)
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(MODULES), "bias": "none",
+            "task_type": "CAUSAL_LM"}))
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--lora-impl", default="auto")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--packages", default="jlora", help="comma-separated jlora copies to time side by side")
+    args = p.parse_args(argv)
+
+    import importlib
+
+    from jlora.bench import make_prompts
+
+    root = Path(tempfile.mkdtemp(prefix="jlora-lora-cost-"))
+    params, prompts, paths, runs = None, None, None, []  # runs: (package, system, fn)
+    for pkg in args.packages.split(","):
+        mod = importlib.import_module(pkg)
+        llm = mod.LLM(max_model_len=args.max_model_len, max_num_seqs=16, max_num_batched_tokens=512, max_loras=4,
+                      max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False)
+        paths = paths or write_adapters(root, llm.engine.adapters.model_cfg)
+        reqs = [mod.LoRARequest(p.name, i + 1, str(p)) for i, p in enumerate(paths)]
+        prompts = prompts or [{"prompt_token_ids": ids} for ids in make_prompts(llm.tokenizer, args.requests, 16, 64)]
+        params = mod.SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+        per_prompt = [reqs[i % len(reqs)] for i in range(len(prompts))]
+
+        def run(loras, llm=llm, params=params) -> int:
+            outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs)
+
+        run(per_prompt)  # adapters into their slots (not timed)
+        runs += [(pkg, "mixed", lambda run=run, p=per_prompt: run(p)), (pkg, "base", lambda run=run: run(None))]
+    counters = {pkg: importlib.import_module(f"{pkg}.compile_stats") for pkg in args.packages.split(",")}
+    before = {pkg: c.compile_count() for pkg, c in counters.items()}
+    secs: dict[tuple[str, str], list[float]] = {(pkg, name): [] for pkg, name, _ in runs}
+    tokens: dict[tuple[str, str], int] = {}
+    for _ in range(args.rounds):  # interleaved, so drifting load hits every system alike
+        for pkg, name, fn in runs:
+            t = time.perf_counter()
+            tokens[pkg, name] = fn()
+            secs[pkg, name].append(time.perf_counter() - t)
+    out: dict = {"lora_impl": args.lora_impl, "rounds": args.rounds}
+    for pkg in args.packages.split(","):
+        tok_s = {n: tokens[pkg, n] / statistics.median(secs[pkg, n]) for n in ("mixed", "base")}
+        best = {n: tokens[pkg, n] / min(secs[pkg, n]) for n in ("mixed", "base")}  # least disturbed round
+        out[pkg] = {"tok_s": tok_s, "mixed_over_base": tok_s["mixed"] / tok_s["base"], "best_tok_s": best,
+                    "best_mixed_over_base": best["mixed"] / best["base"],
+                    "seconds": {n: secs[pkg, n] for n in ("mixed", "base")},
+                    "compiles_after_warmup": counters[pkg].compile_count() - before[pkg]}
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
