@@ -44,3 +44,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     lora_name: str | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    # With SamplingParams.prompt_logprobs: per prompt token, its logprob and the top-n there
+    # (None for the first token, which has no context), as vLLM's RequestOutput.prompt_logprobs.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -67,6 +67,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "min_tokens": (0, INT32_MAX),
     "seed": (0, 2**32 - 1),
     "logprobs": (0, MAX_LOGPROBS),
+    "prompt_logprobs": (0, MAX_LOGPROBS),
     "n": (1, INT32_MAX),
 }
 OPEN_LOW = {"top_p"}  # top_p = 0 would keep no token
@@ -104,6 +105,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token (plus the prompt's own), vLLM's
     n: int = 1
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputsParams | None = None
@@ -111,7 +113,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name, (lo, hi) in BOUNDS.items():
             v = getattr(self, name)
-            if v is None and name in ("max_tokens", "seed", "logprobs"):
+            if v is None and name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
                 continue
             integral = isinstance(lo, int) and isinstance(hi, int)
             ok = _is_int(v) if integral else _is_num(v)
@@ -166,4 +168,5 @@ class SamplingParams:
 
 
 _HINTS = {"temperature": " (0 = greedy)", "top_k": " (-1 or 0 disables top-k)", "repetition_penalty": " (1 = off)",
-          "max_tokens": " or None", "seed": " or None", "logprobs": " or None"}
+          "max_tokens": " or None", "seed": " or None", "logprobs": " or None",
+          "prompt_logprobs": " or None"}

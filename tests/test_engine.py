@@ -275,3 +275,26 @@ def test_chat_takes_one_message_dict_one_conversation_or_several(llm):
     assert len(llm.chat([[msg], [msg]], greedy(4))) == 2
     with pytest.raises(ValueError, match="messages"):
         llm.chat([], greedy(4))
+
+
+def test_prompt_logprobs_match_transformers_log_softmax(llm, tiny_dir):
+    """Over a 50-token prompt (several prefill chunks), beside a request without them, with n=2."""
+    hf = tiny_dir[1]
+    prompt = "The quick brown fox jumps over the lazy dog and keeps on running far away " * 3
+    ids = llm.tokenizer.encode(prompt)
+    assert len(ids) > 40
+    compiles = compile_stats.compile_count()
+    out, other = llm.generate([prompt, "Hello"], [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3, n=2), greedy(2)])
+    assert compile_stats.compile_count() == compiles
+    assert other.prompt_logprobs is None
+    lps = out.prompt_logprobs
+    assert len(lps) == len(ids) and lps[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1).numpy()
+    for pos in range(1, len(ids)):
+        entry = lps[pos]
+        np.testing.assert_allclose(entry[ids[pos]], ref[pos - 1, ids[pos]], atol=1e-4)
+        top3 = [int(t) for t in np.argsort(-ref[pos - 1])[:3]]
+        assert set(top3) <= set(entry) and len(entry) <= 4
+        for t in top3:
+            np.testing.assert_allclose(entry[t], ref[pos - 1, t], atol=1e-4)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import numpy as np
 import pytest
 
 from jlora import LLM, SamplingParams, compile_stats
@@ -380,6 +381,36 @@ def test_structured_output_obeys_its_schema_beside_free_text_rows_with_no_new_gr
                                        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=0)
     assert biased.choices[0].logprobs.tokens == ["token_id:42"] * 4
     assert compile_stats.compile_count() == compiles
+
+
+def test_echo_with_prompt_logprobs_as_lm_eval_asks(live):
+    """lm-eval's loglikelihood request: echo, max_tokens=0, logprobs=1, token-id prompts."""
+    ids = live.llm.tokenizer.encode(PROMPTS[2] + " 5 6 7")
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    ref = live.on_engine(lambda: live.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False))[0]
+    http = live.http()
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": [ids, ids[:3]], "echo": True, "max_tokens": 0,
+                                           "logprobs": 1, "temperature": 0.0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    c = body["choices"][0]
+    assert c["text"] == live.llm.tokenizer.decode(ids)
+    lp = c["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = [e[t] for e, t in zip(ref.prompt_logprobs[1:], ids[1:])]
+    np.testing.assert_allclose(lp["token_logprobs"][1:], want, atol=1e-6)
+    assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert len(body["choices"][1]["logprobs"]["tokens"]) == 3
+    assert body["usage"]["completion_tokens"] == 0
+    r = http.post("/v1/completions", json={"model": "a1", "prompt": PROMPTS[0], "echo": True, "max_tokens": 3,
+                                           "temperature": 0.0, "ignore_eos": True}).json()
+    assert r["choices"][0]["text"] == PROMPTS[0] + live.offline([PROMPTS[0]], "a1", 3)[0].outputs[0].text
+    chunks = [json.loads(line[6:]) for line in http.post("/v1/completions", json={
+        "model": "a1", "prompt": PROMPTS[0], "echo": True, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+        "stream": True}).text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == r["choices"][0]["text"]
+    assert _error(http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}), 400)["param"] == "max_tokens"
 
 
 def test_tokenize_detokenize_version_and_one_model(live):

@@ -139,8 +139,10 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**32)
         so = params.structured_outputs
         matchers = [self.grammars.matcher(so) for _ in range(params.n)] if so is not None else [None] * params.n
+        prompt_lps = [None] if params.prompt_logprobs is not None else None  # shared by the samples
         seqs = [Sequence(request_id, i, ids, params, (base_seed + 7919 * i) % 2**32, lora_request, handle,
-                         detok=IncrementalDetokenizer(self.tokenizer), matcher=matchers[i]) for i in range(params.n)]
+                         detok=IncrementalDetokenizer(self.tokenizer), matcher=matchers[i],
+                         prompt_logprobs=prompt_lps) for i in range(params.n)]
         req = Request(request_id, prompt_text, ids, params, lora_request, seqs)
         req.metrics.num_prompt_tokens = len(ids)
         req.streamed_chars = [0] * params.n
@@ -258,6 +260,7 @@ class LLMEngine:
                 self._fail(culprit, f"the engine step failed for this request: {type(e).__name__}: {e}", touched)
             return [req.to_output() for req in touched.values()]
         self.scheduler.commit(plan)
+        self.output.record_prompt_logprobs(plan, out)
         self._process(out, plan.sampled, touched)
         return [req.to_output() for req in touched.values()]
 

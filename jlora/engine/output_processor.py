@@ -9,6 +9,8 @@ would be cut from the final text), so the deltas always join to the final text.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from jlora.engine.sequence import Request, Sequence, SeqState
@@ -56,6 +58,22 @@ class OutputProcessor:
         if len(s.output_ids) >= max_new or s.total_len >= self.max_model_len:
             return "length", None
         return None
+
+    @staticmethod
+    def record_prompt_logprobs(plan: Any, out: dict[str, np.ndarray]) -> None:
+        """Prompt logprobs computed in this step (where the runner set targets), in prompt order;
+        a position already recorded (by another sample, or before a preemption) is skipped."""
+        q = plan.shape[2]
+        for i, (s, start, n) in enumerate(plan.prefill):
+            lps = s.prompt_logprobs
+            if lps is None:
+                continue
+            k = s.params.prompt_logprobs
+            for pos in range(max(start, len(lps) - 1), min(start + n, len(s.prompt_token_ids) - 1)):
+                j = i * q + pos - start
+                entry = {int(t): float(v) for t, v in zip(out["prompt_top_ids"][j][:k], out["prompt_top_logprobs"][j][:k])}
+                entry[s.prompt_token_ids[pos + 1]] = float(out["prompt_token_logprob"][j])
+                lps.append(entry)
 
     @staticmethod
     def stream_deltas(req: Request) -> list[str]:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
@@ -24,7 +25,7 @@ from jlora import compile_stats
 from jlora.engine.config import EngineConfig
 from jlora.engine.structured import fill_mask
 from jlora.models.llama import AttnGroup, Llama, LoRAState, host_zeros, init_cache
-from jlora.sampling import SamplingRow, empty_sampling_batch, fill_sampling_row, sample
+from jlora.sampling import MAX_LOGPROBS, SamplingRow, empty_sampling_batch, fill_sampling_row, sample
 
 if TYPE_CHECKING:
     from jlora.engine.scheduler import StepPlan
@@ -45,6 +46,25 @@ def _blame(seq: Sequence) -> Iterator[None]:
         yield
     except Exception as e:
         raise RowFailed(seq, e) from e
+
+
+def _prompt_logprobs(model: Llama, hidden: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+    """Log-probabilities of the next prompt token at each prefill position (targets i32[P*Q], -1 =
+    none) and the top MAX_LOGPROBS there; the head over every prefill token runs only in steps
+    where some row asked for prompt logprobs (a cond, so no extra graph)."""
+    k = min(MAX_LOGPROBS, model.cfg.vocab_size)
+
+    def compute():
+        lp = jax.nn.log_softmax(model.logits(hidden), axis=-1)  # f32[P*Q, V]: the model's raw distribution
+        top_lp, top_ids = jax.lax.top_k(lp, k)
+        return jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+    def skip():
+        t = targets.shape[0]
+        return jnp.zeros((t,), jnp.float32), jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k), jnp.float32)
+
+    tok, ids, top = jax.lax.cond(jnp.any(targets >= 0), compute, skip)
+    return {"prompt_token_logprob": tok, "prompt_top_ids": ids, "prompt_top_logprobs": top}
 
 
 class ModelRunner:
@@ -68,7 +88,10 @@ class ModelRunner:
         hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
                                       lora_impl=lora_impl, attn_chunk=attn_chunk)
         logits = model.logits(hidden[batch["sample_index"]])
-        return sample(logits, batch["sampling"]), cache
+        out = sample(logits, batch["sampling"])
+        if batch["pre_positions"].shape[0]:
+            out.update(_prompt_logprobs(model, hidden[batch["dec_positions"].shape[0]:], batch["prompt_targets"]))
+        return out, cache
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -81,7 +104,8 @@ class ModelRunner:
         tokens / slot_ids [R + P*Q]: the R decode rows first, then the prefill rows;
         dec_positions [R], dec_tables [R, MB]; pre_positions [P, Q], pre_tables [P, MB];
         sample_index [R]: the token each row samples from (its decode token, or the last prompt
-        token of a prefill that completes in this step).
+        token of a prefill that completes in this step); prompt_targets [P*Q]: at a prefill token
+        whose sequence wants prompt logprobs, the prompt token that follows it (else -1).
         """
         c, (r, p, q) = self.config, shape
         return dict(
@@ -89,6 +113,7 @@ class ModelRunner:
             dec_positions=np.full((r,), -1, np.int32), dec_tables=np.zeros((r, c.blocks_per_seq), np.int32),
             pre_positions=np.full((p, q), -1, np.int32), pre_tables=np.zeros((p, c.blocks_per_seq), np.int32),
             sample_index=np.arange(r, dtype=np.int32),
+            prompt_targets=np.full((p * q,), -1, np.int32),
             sampling=empty_sampling_batch(r, c.max_model_len, self.cfg.vocab_size))
 
     def build_batch(self, plan: StepPlan) -> dict[str, Any]:
@@ -110,6 +135,12 @@ class ModelRunner:
                 batch["slot_ids"][at: at + n] = s.slot
                 batch["pre_positions"][i, :n] = np.arange(start, start + n)
                 batch["pre_tables"][i, : len(s.blocks)] = s.blocks
+                if s.prompt_logprobs is not None:  # positions whose next prompt token has no logprob yet
+                    first = max(start, len(s.prompt_logprobs) - 1)
+                    last = min(start + n, len(s.prompt_token_ids) - 1)
+                    if first < last:
+                        batch["prompt_targets"][i * q + first - start: i * q + last - start] = \
+                            s.prompt_token_ids[first + 1: last + 1]
             if start + n == s.total_len:  # the prompt is in: a free row samples its first token
                 batch["sample_index"][completing] = at + n - 1
                 completing += 1

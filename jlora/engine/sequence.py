@@ -41,6 +41,8 @@ class Sequence:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     detok: Any = None  # IncrementalDetokenizer of output_ids (text = its text, cut at a stop string)
+    # The request's prompt logprobs (one list shared by its samples; entry 0 is None), or None.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     matcher: Any = None  # llguidance matcher of the sample's grammar (structured output), or None
 
     @property
@@ -81,6 +83,8 @@ class Request:
         return self.num_unfinished == 0
 
     def to_output(self) -> RequestOutput:
+        pl = self.seqs[0].prompt_logprobs
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
                              [s.to_output() for s in self.seqs], self.finished, self.metrics,
-                             self.lora.lora_name if self.lora else None, self.error)
+                             self.lora.lora_name if self.lora else None, self.error,
+                             None if pl is None else list(pl))

@@ -185,9 +185,8 @@ class OpenAIServer:
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             field = "messages"
         else:
-            for f in ("echo", "suffix"):
-                if getattr(req, f):
-                    raise APIError(400, f"{f} is not supported", param=f)
+            if req.suffix:
+                raise APIError(400, "suffix is not supported", param="suffix")
             if req.best_of is not None and req.best_of != req.n:
                 raise APIError(400, "best_of other than n is not supported", param="best_of")
             num_logprobs = req.logprobs
@@ -198,13 +197,24 @@ class OpenAIServer:
         if cap is not None and len(prompts) * req.n > cap:
             raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more sequences than the server ever "
                                 f"queues (--max-waiting-seqs={cap})", param="n" if req.n > 1 else field)
+        prompt_only = not chat and req.echo and max_tokens == 0  # lm-eval's loglikelihood requests
+        if max_tokens == 0 and not prompt_only:
+            raise APIError(400, "max_tokens=0 is only allowed with echo=true", param="max_tokens")
+        if prompt_only:
+            max_tokens = 1  # the prompt's logprobs come with its prefill; the one token is not returned
         max_tokens = check_lengths(prompts, max_tokens, self.max_model_len, field)
+
         if (req.max_completion_tokens if chat else None) is None and req.max_tokens is None:
             max_tokens = min(max_tokens, self.default_max_tokens)  # unset: the server's default, not the context
-        params = sampling_params(req, max_tokens, num_logprobs, self.vocab_size, self.max_n)
+        params = sampling_params(req, max_tokens, num_logprobs, self.vocab_size, self.max_n,
+                                 prompt_logprobs=num_logprobs if not chat and req.echo else None)
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        echo_texts = None
+        if not chat and req.echo:
+            echo_texts = [p["prompt"] if p["prompt"] is not None else self.llm.tokenizer.decode(p["prompt_token_ids"])
+                          for p in prompts]
         fmt = Formatter(chat, req.model, req.n, self.llm.tokenizer, num_logprobs, include_usage,
-                        req.return_tokens_as_token_ids)
+                        req.return_tokens_as_token_ids, echo_texts, prompt_only)
         gen = Generation(self.engine, fmt.id, len(prompts), received)
         await gen.start(prompts, params, lora)
         if req.stream:

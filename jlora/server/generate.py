@@ -53,7 +53,8 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple[
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    logprobs: int | None, vocab_size: int, max_n: int) -> SamplingParams:
+                    logprobs: int | None, vocab_size: int, max_n: int,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the request, checked against the engine (vocabulary, `--max-n`); its
     ValueError becomes a 400 naming the field."""
     structured, structured_field = structured_outputs(req)
@@ -71,7 +72,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
               presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
               max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
               stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs, n=req.n, logit_bias=bias,
-              structured_outputs=structured)
+              structured_outputs=structured, prompt_logprobs=prompt_logprobs)
     try:
         params = SamplingParams(**kw)
         params.check_for_engine(vocab_size, max_n)
@@ -232,8 +233,14 @@ class Formatter:
     """Builds the OpenAI objects for one request (completion or chat), streamed or whole."""
 
     def __init__(self, chat: bool, model: str, n: int, tokenizer: Any, num_logprobs: int | None,
-                 include_usage: bool, tokens_as_ids: bool = False):
+                 include_usage: bool, tokens_as_ids: bool = False, echo_texts: list[str] | None = None,
+                 prompt_only: bool = False):
+        """echo_texts: per prompt, its text, put before each of its choices (completions' `echo`);
+        prompt_only: `max_tokens=0` with echo, so the one token generated is not returned."""
         self.chat, self.model, self.n = chat, model, n
+        self.echo_texts = echo_texts
+        self.prompt_only = prompt_only
+        self.echoed: set[int] = set()
         self.tokenizer = tokenizer
         self.num_logprobs = num_logprobs
         self.include_usage = include_usage
@@ -278,6 +285,40 @@ class Formatter:
         self.text_offset[choice] = offset
         return out
 
+    def _echo(self, i: int, u: Update) -> tuple[str, dict[str, list] | None]:
+        """Choice i's prompt part, once: its text and, with logprobs, each prompt token's logprob
+        (None for the first) and top logprobs, as vLLM echoes them."""
+        if self.echo_texts is None or i in self.echoed:
+            return "", None
+        self.echoed.add(i)
+        text = self.echo_texts[u.index]
+        if self.num_logprobs is None:
+            return text, None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self.text_offset.get(i, 0)
+        lps = u.output.prompt_logprobs or [None] * len(u.output.prompt_token_ids)
+        for tid, lp in zip(u.output.prompt_token_ids, lps):
+            s = self._token(tid)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(None if lp is None else lp[tid])
+            out["top_logprobs"].append(None if lp is None else
+                                       {self._token(t): v for t, v in sorted(lp.items(), key=lambda kv: -kv[1])})
+            out["text_offset"].append(offset)
+            offset += len(s)
+        self.text_offset[i] = offset
+        return text, out
+
+    def _generated(self, i: int, o: Any, delta: str) -> tuple[str, dict[str, list] | None]:
+        if self.prompt_only:
+            return "", None
+        return delta, self.logprobs(i, o.token_ids, o.logprobs)
+
+    @staticmethod
+    def _join(a: dict[str, list] | None, b: dict[str, list] | None) -> dict[str, list] | None:
+        if a is None or b is None:
+            return a or b
+        return {k: a[k] + b[k] for k in a}
+
     def usage(self) -> dict[str, int]:
         p, c = sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
@@ -288,7 +329,8 @@ class Formatter:
             # The EOS or stop token that ended a sample is generated (and counted, as vLLM and
             # OpenAI do) though not returned; a stop string's tokens are in token_ids.
             dropped = o.finish_reason == "stop" and not isinstance(o.stop_reason, str)
-            self.completion_tokens[u.index * self.n + o.index] = len(o.token_ids) + dropped
+            count = 0 if self.prompt_only else len(o.token_ids) + dropped
+            self.completion_tokens[u.index * self.n + o.index] = count
 
     # whole replies
 
@@ -299,13 +341,15 @@ class Formatter:
             self._track(u)
             for o in u.output.outputs:
                 i = idx * self.n + o.index
-                lp = self.logprobs(i, o.token_ids, o.logprobs)
+                echo_text, echo_lp = self._echo(i, u)
+                text, lp = self._generated(i, o, o.text)
+                lp = self._join(echo_lp, lp)
                 choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": o.finish_reason,
                                           "stop_reason": o.stop_reason}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": o.text}
                 else:
-                    choice["text"] = o.text
+                    choice["text"] = echo_text + text
                 choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
@@ -333,7 +377,9 @@ class Formatter:
             if i in self.finished:
                 continue
             done = o.finish_reason is not None
-            lp = self.logprobs(i, o.token_ids, o.logprobs)
+            echo_text, echo_lp = self._echo(i, u)
+            delta, lp = self._generated(i, o, delta)
+            delta, lp = echo_text + delta, self._join(echo_lp, lp)
             if not delta and not done and not (lp and (lp.get("content") or lp.get("tokens"))):
                 continue
             choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": o.finish_reason if done else None}

@@ -96,7 +96,8 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
-    max_tokens: _bounded("max_tokens", True) | None = 16  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (the prompt's logprobs, as lm-eval asks)
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=BOUNDS["max_tokens"][1])] | None = 16
     logprobs: _bounded("logprobs", True) | None = None
     echo: StrictBool = False
     suffix: Text | None = None
