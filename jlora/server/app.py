@@ -109,7 +109,7 @@ class OpenAIServer:
             check_text_size(body.prompt, self.max_prompt_bytes, "prompt")
             ids = self.llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            chat = ChatCompletionRequest(model=body.model or self.model_id, messages=body.messages)
+            chat = ChatCompletionRequest.model_construct(model=body.model or self.model_id, messages=body.messages)
             ids = chat_prompt(chat, self.llm, self.max_prompt_bytes,
                               add_generation_prompt=body.add_generation_prompt)["prompt_token_ids"]
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}

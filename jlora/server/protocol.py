@@ -130,7 +130,7 @@ class TokenizeRequest(_Body):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
