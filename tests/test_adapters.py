@@ -558,6 +558,34 @@ def test_manager_unload(adapters):
     assert {mgr.acquire(_req(2, adapters)), mgr.acquire(_req(3, adapters))} == {0, 1}
 
 
+def test_unload_while_the_same_name_converts_stays_unloaded(adapters, monkeypatch):
+    """The prepare that was converting when `unload` came must not bring the name back."""
+    import threading
+
+    mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8)
+    started, go = threading.Event(), threading.Event()
+    real = mgr._convert
+
+    def slow(version, req):
+        started.set()
+        go.wait(30)
+        return real(version, req)
+
+    monkeypatch.setattr(mgr, "_convert", slow)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(handle=mgr.prepare(_req(0, adapters))))
+    t.start()
+    assert started.wait(30)
+    assert not mgr.unload("a0")  # nothing known under the name yet
+    go.set()
+    t.join(30)
+    assert mgr.list_adapters() == [] and "a0" not in mgr._current
+    slot = mgr.acquire(_req(0, adapters), result["handle"])  # the request that asked is still served
+    assert _slot_matches(mgr, slot, adapters[0])
+    mgr.release(slot)
+    assert mgr.resident() == {}  # as a retired version: gone once released
+
+
 def test_manager_serves_converted_dir(adapters, tmp_path):
     save_adapter(read_peft_adapter(adapters[1], CFG), tmp_path / "conv")
     mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8)

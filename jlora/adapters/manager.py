@@ -265,6 +265,7 @@ class AdapterManager:
         self._slots: list[_Slot | None] = [None] * max_loras
         self._host: collections.OrderedDict[_Version, LoRAAdapter] = collections.OrderedDict()
         self._current: dict[str, _Version] = {}  # name -> its newest version seen
+        self._unloads: dict[str, int] = {}  # name -> how often it was unloaded (prepare checks it did not change)
         self._clock = 0
         self._lock = threading.RLock()
         self._converting: dict[_Version, concurrent.futures.Future] = {}  # conversions in flight (prepare)
@@ -329,6 +330,7 @@ class AdapterManager:
         version = self._version(req)
         with self._lock:
             self._check_int_id(req)
+            unloads = self._unloads.get(req.lora_name, 0)  # an unload while converting must stay unloaded
             adapter = self._cached(version)
             pending = None if adapter is not None else self._converting.get(version)
             mine = adapter is None and pending is None
@@ -346,10 +348,14 @@ class AdapterManager:
                 raise
             with self._lock:
                 del self._converting[version]
-                self._store(version, adapter)
+                if self._unloads.get(req.lora_name, 0) == unloads:
+                    self._store(version, adapter)
             pending.set_result(adapter)
         with self._lock:
-            self._current[req.lora_name] = version
+            # Unloaded meanwhile: the handle still serves the request that asked (as a retired
+            # version), but the name is not brought back.
+            if self._unloads.get(req.lora_name, 0) == unloads:
+                self._current[req.lora_name] = version
         return AdapterHandle(version, adapter)
 
     def prepare_async(self, req: LoRARequest) -> concurrent.futures.Future:
@@ -462,6 +468,7 @@ class AdapterManager:
         else when released). Returns whether anything was known under that name."""
         with self._lock:
             found = False
+            self._unloads[name] = self._unloads.get(name, 0) + 1
             self._current.pop(name, None)
             for v in [v for v in self._host if v[0] == name]:
                 self._host_drop(v)
