@@ -33,9 +33,6 @@ def engine_config(
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if lora_impl not in LORA_IMPLS:
         raise ValueError(f"lora_impl must be one of {list(LORA_IMPLS)}, got {lora_impl!r}")
-    max_loras = sizes.get("max_loras", ENGINE_DEFAULTS["max_loras"])
-    if max_cpu_loras is None and isinstance(max_loras, int):
-        max_cpu_loras = max(4 * max_loras, 8)
     buckets: dict[str, tuple[int, ...] | None] = {}
     for name, b in (("token_buckets", token_buckets),):
         if b is not None:  # a list is fine here; the config must hold a (hashable) tuple

@@ -54,6 +54,7 @@ from jlora.adapters.peft import (
     is_jlora_adapter_dir, read_adapter,
 )
 from jlora.adapters.request import LoRARequest
+from jlora.engine.config import default_max_cpu_loras
 from jlora.models.config import PACKED_MODULES, LlamaConfig
 from jlora.models.llama import LORA_MODULES, LoRAState, host_zeros, init_lora_state, lora_state_modules
 
@@ -244,14 +245,14 @@ class AdapterManager:
         max_cpu_lora_bytes: int | None = None,
         disk_cache: bool | str | os.PathLike = False,
     ):
-        """`max_cpu_loras` (default max_loras) and `max_cpu_lora_bytes` (default: no bound) bound the
+        """`max_cpu_loras` (default `default_max_cpu_loras(max_loras)`, as the engine's) and `max_cpu_lora_bytes` (default: no bound) bound the
         host LRU cache of converted adapters; `disk_cache` is False (off), True (the default directory,
         `jlora.adapters.disk_cache.default_cache_dir()`) or a directory."""
         for name, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"AdapterManager: {name} must be a positive int, got {v!r}")
         if max_cpu_loras is None:
-            max_cpu_loras = max_loras
+            max_cpu_loras = default_max_cpu_loras(max_loras)
         if isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int) or max_cpu_loras < 0:
             raise ValueError(f"AdapterManager: max_cpu_loras must be an int >= 0, got {max_cpu_loras!r}")
         self.model_cfg = model_cfg

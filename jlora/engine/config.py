@@ -22,6 +22,13 @@ def geometric_buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
 SCHEDULING_POLICIES = ("adapter_aware", "fcfs")
 
 
+def default_max_cpu_loras(max_loras: int) -> int:
+    """The host cache's default size (the one default, for EngineConfig and AdapterManager): four
+    converted adapters per device slot, at least 8, so a working set a few times the slots swaps
+    in without reconverting."""
+    return max(4 * max_loras, 8)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine sizes. Every step is one graph keyed only by the shape of its prefill part
@@ -33,7 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # the longest prefill chunk in one step
     max_loras: int = 4  # device slots
     max_lora_rank: int = 64
-    max_cpu_loras: int = 32  # host cache of converted adapters
+    max_cpu_loras: int | None = None  # host cache of converted adapters; None = default_max_cpu_loras(max_loras)
     lora_impl: str = "auto"
     block_size: int = 16  # KV cache positions per block
     num_kv_blocks: int | None = None  # KV capacity; None = max_num_seqs full-length sequences
@@ -51,6 +58,8 @@ class EngineConfig:
     max_waiting_seqs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_cpu_loras is None and isinstance(self.max_loras, int):
+            object.__setattr__(self, "max_cpu_loras", default_max_cpu_loras(self.max_loras))
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_loras",
                      "max_lora_rank", "max_cpu_loras", "block_size", "attn_chunk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
