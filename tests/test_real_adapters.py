@@ -27,26 +27,28 @@ ADAPTER_SPECS = {
 }
 
 
-@pytest.fixture(scope="module")
-def peft_adapters(hf_real, tmp_path_factory):
-    """PEFT adapters made by the real peft library on the real model, saved to disk."""
+def make_peft_adapters(model, specs: dict, root, seed: int, b_scale: float) -> dict:
+    """PEFT adapters made by the real peft library on `model`, saved under `root`; B scaled so
+    every adapter visibly changes the output."""
     from peft import LoraConfig, get_peft_model
 
-    model, _ = hf_real
-    root = tmp_path_factory.mktemp("peft_real")
     paths = {}
-    for i, (name, spec) in enumerate(ADAPTER_SPECS.items()):
-        torch.manual_seed(100 + i)
-        cfg = LoraConfig(init_lora_weights=False, lora_dropout=0.0, **spec)
-        pm = get_peft_model(model, cfg, adapter_name=name)
-        with torch.no_grad():  # B scaled so every adapter visibly changes the output
+    for i, (name, spec) in enumerate(specs.items()):
+        torch.manual_seed(seed + i)
+        pm = get_peft_model(model, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **spec), adapter_name=name)
+        with torch.no_grad():
             for n, p in pm.named_parameters():
                 if "lora_B" in n:
-                    p.mul_(0.3)
+                    p.mul_(b_scale)
         pm.save_pretrained(root, selected_adapters=[name])
         paths[name] = root / name if (root / name).exists() else root
         pm.unload()  # restore the plain base model for the next adapter
     return paths
+
+
+@pytest.fixture(scope="module")
+def peft_adapters(hf_real, tmp_path_factory):
+    return make_peft_adapters(hf_real[0], ADAPTER_SPECS, tmp_path_factory.mktemp("peft_real"), 100, 0.3)
 
 
 def peft_greedy_and_logits(hf_real, path, ids, n):
@@ -173,22 +175,7 @@ PACKED_SPECS = {
 
 @pytest.fixture(scope="module")
 def packed_adapters(hf_real, tmp_path_factory):
-    from peft import LoraConfig, get_peft_model
-
-    model, _ = hf_real
-    root = tmp_path_factory.mktemp("peft_real_packed")
-    paths = {}
-    for i, (name, spec) in enumerate(PACKED_SPECS.items()):
-        torch.manual_seed(200 + i)
-        pm = get_peft_model(model, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **spec), adapter_name=name)
-        with torch.no_grad():
-            for n, p in pm.named_parameters():
-                if "lora_B" in n:
-                    p.mul_(0.5)
-        pm.save_pretrained(root, selected_adapters=[name])
-        paths[name] = root / name
-        pm.unload()
-    return paths
+    return make_peft_adapters(hf_real[0], PACKED_SPECS, tmp_path_factory.mktemp("peft_real_packed"), 200, 0.5)
 
 
 @pytest.mark.parametrize("group", [["q-r8", "qv-r16", "qkv-ranks"], ["gate-r8", "up-r16", "gate-up-ranks"]],

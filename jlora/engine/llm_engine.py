@@ -170,26 +170,6 @@ class LLMEngine:
             raise ValueError("prompt is empty (0 tokens)")
         return text, ids
 
-    def _tokenize(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = [int(t) for t in prompt["prompt_token_ids"]]
-                text = prompt.get("prompt")
-            elif "prompt" in prompt:
-                text = prompt["prompt"]
-                ids = self.tokenizer.encode(text, add_special_tokens=True)
-            else:
-                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, [int(t) for t in prompt]
-        else:
-            raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty (0 tokens)")
-        return text, ids
-
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish what is left of a request with "abort"; its final state (None: unknown id). The
         request stays until `pop_finished`."""
