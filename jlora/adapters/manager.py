@@ -51,6 +51,7 @@ from jlora.adapters.peft import (
 )
 from jlora.adapters.request import LoRARequest
 from jlora.models.config import LlamaConfig
+from jlora.models import quant
 from jlora.models.llama import LORA_MODULES, LoRAState, host_zeros, init_lora_state
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,10 @@ def set_slot(
 
 
 def _as_dtype(x: Any, dtype: Any) -> Any:
+    if dtype == jnp.uint16:  # a bf16 state kept as its bits (jlora.models.quant.storage_dtype)
+        if isinstance(x, jax.Array):
+            return x if x.dtype == dtype else lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+        return np.asarray(x, dtype=jnp.bfloat16).view(np.uint16)
     if isinstance(x, jax.Array):
         return x if x.dtype == dtype else x.astype(dtype)
     return np.asarray(x, dtype=dtype)
@@ -236,8 +241,8 @@ class AdapterManager:
         self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         self.modules = tuple(modules)
-        self.lora_state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, dtype, self.modules,
-                                                     zeros=host_zeros)
+        self.lora_state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, quant.storage_dtype(dtype),
+                                                     self.modules, zeros=host_zeros)
         self._slots: list[_Slot | None] = [None] * max_loras
         self._host: collections.OrderedDict[_Version, LoRAAdapter] = collections.OrderedDict()
         self._current: dict[str, _Version] = {}  # name -> its newest version seen
