@@ -188,6 +188,7 @@ def build_model(cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = j
     for name, (path, layer, transpose) in table.items():
         if name not in tensors:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
+        transpose = transpose and stored(path) != np.int8  # int8 weights keep the HF [out, in] layout
         arr = tensors[name].T if transpose else tensors[name]
         expected = flat[path].get_value().shape[1:] if layer is not None else flat[path].get_value().shape
         if arr.shape != tuple(expected):
