@@ -330,3 +330,15 @@ def test_cli_quantization_flag_reaches_llm(monkeypatch):
     assert serve_kwargs(vars(args))["quantization"] == "int8-weight-only"
     with pytest.raises(SystemExit):  # argparse rejects an unknown mode
         cli.build_parser().parse_args(["generate", "hi", "--quantization", "int4"])
+
+
+def test_bf16_with_int8_weights(tmp_path):
+    """dtype=bfloat16 with int8: norms (and KV cache, slots) in bf16 bits, projections int8."""
+    write_checkpoint(tmp_path / "ckpt", tied=False)
+    m32, _, _ = load_model(tmp_path / "ckpt", quantization="int8")
+    m16, _, _ = load_model(tmp_path / "ckpt", dtype=jnp.bfloat16, quantization="int8")
+    assert m16.layers.input_layernorm[...].dtype == quant.storage_dtype(jnp.bfloat16)
+    assert m16.layers.q_proj[...].dtype == jnp.int8 and m16.lm_head[...].dtype == jnp.int8
+    ids = np.random.default_rng(6).integers(0, CFG["vocab_size"], (2, 8)).astype(np.int32)
+    ref = model_logits(m32, ids)
+    assert np.abs(model_logits(m16, ids) - ref).max() < 0.05 * np.abs(ref).max()
