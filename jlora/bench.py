@@ -19,6 +19,10 @@ import numpy as np
 from jlora.plot import bar_chart_svg
 
 RANKS = (8, 16, 8, 32)
+# jlora modes: name -> LLM keyword arguments. "float32" is the reference every ratio is taken against.
+MODES = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
+         "int8-weight-only": {"quantization": "int8-weight-only"}}
+VERSION_PACKAGES = ("jax", "jaxlib", "flax", "torch", "transformers", "peft")
 # docs/benchmarks.md: `--write` regenerates what is above this line and keeps the hand-written analysis below it.
 ANALYSIS_MARKER = "<!-- hand-written analysis below: kept by `jlora bench --write` -->"
 TEXT = ("The history of science is the study of the development of science and scientific knowledge, "
@@ -100,6 +104,22 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, adapter_n
     return int((out.shape[1] - width) * len(prompts))
 
 
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for p in VERSION_PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = "not installed"
+    return out
+
+
+def mode_row(name: str) -> str:
+    return "jlora, 4 adapters mixed" if name == "float32" else f"jlora {name}, 4 adapters mixed"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import torch
@@ -127,15 +147,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         peft_model.load_adapter(str(p), adapter_name=r.lora_name)
     peft_model.eval()
     names = [r.lora_name for r in per_prompt]
+    # transformers+peft in bfloat16 (torch computes bf16 matmuls natively, AMX where the CPU has it).
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.bfloat16).eval()
+    peft16 = PeftModel.from_pretrained(hf16, str(adapter_paths[0]), adapter_name=reqs[0].lora_name)
+    for r, p in zip(reqs[1:], adapter_paths[1:]):
+        peft16.load_adapter(str(p), adapter_name=r.lora_name)
+    peft16.eval()
+    # The other jlora modes: same sizes, one engine each.
+    modes = [m for m in args.modes if m != "float32"]
+    mode_llms = {m: LLM(max_model_len=args.max_model_len, max_num_seqs=16, max_num_batched_tokens=512,
+                        max_loras=4, max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=True, **MODES[m])
+                 for m in modes}
 
     chat_prompts = [llm.apply_chat_template([{"role": "user", "content": q}])
                     for q in (CHAT_QUESTIONS * args.requests)[: args.requests]]
 
-    def jlora_run(loras, ids=prompts):
+    def jlora_run(loras, ids=prompts, engine=llm):
         def go() -> int:
-            outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, lora_request=loras, use_tqdm=False)
+            outs = engine.generate([{"prompt_token_ids": p} for p in ids], params, lora_request=loras, use_tqdm=False)
             return sum(len(o.outputs[0].token_ids) for o in outs)
         return go
+
+    def greedy_tokens(engine) -> list[list[int]]:
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=per_prompt,
+                               use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
 
     def hf_base() -> int:
         with peft_model.disable_adapter():
@@ -151,8 +188,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "transformers+peft, 4 adapters mixed": hf_peft(),
         "jlora, 4 adapters mixed, chat prompts": jlora_run(per_prompt, chat_prompts),
         "transformers+peft, 4 adapters mixed, chat prompts": hf_peft(chat_prompts),
+        "transformers+peft bfloat16, 4 adapters mixed":
+            lambda: hf_generate(peft16, prompts, args.new_tokens, adapter_names=names),
+        **{mode_row(m): jlora_run(per_prompt, engine=e) for m, e in mode_llms.items()},
     }
-    jlora_run(per_prompt)()  # loads the adapters into slots once (not timed)
+    # Adapters into slots once (not timed); each mode's greedy tokens against float32's.
+    ref_tokens = greedy_tokens(llm)
+    agreement = {}
+    for m, e in mode_llms.items():
+        got = greedy_tokens(e)
+        agreement[m] = {"greedy_token_agreement": float(np.mean([np.mean(np.array(a) == np.array(b))
+                                                                 for a, b in zip(got, ref_tokens)])),
+                        "first_token_agreement": float(np.mean([a[0] == b[0] for a, b in zip(got, ref_tokens)]))}
     compiles_before = compile_stats.compile_count()
     times: dict[str, list[float]] = {k: [] for k in systems}
     tokens: dict[str, int] = {}
@@ -163,6 +210,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             times[name].append(time.perf_counter() - t)
     result: dict[str, Any] = {"throughput": {k: tokens[k] / statistics.median(v) for k, v in times.items()}}
     result["compiles_after_warmup"] = compile_stats.compile_count() - compiles_before
+    result["versions"] = versions()
+    result["modes"] = {m: {"tok_s": result["throughput"][mode_row(m)], **agreement.get(m, {}),
+                           "memory": (mode_llms.get(m) or llm).memory_report()} for m in ["float32", *modes]}
+    del mode_llms, peft16, hf16
 
     # Prefill-heavy: 8 requests of 512 prompt tokens, 8 new tokens; time to first token.
     long_prompts = make_prompts(llm.tokenizer, 8, 512, 512, seed=1)
@@ -235,6 +286,24 @@ def to_markdown(r: dict[str, Any], args: argparse.Namespace) -> str:
         ref = th.get("transformers+peft, 4 adapters mixed, chat prompts", peft) if k.endswith("chat prompts") else peft
         lines.append(f"| {k} | {v:.1f} | {v / ref:.2f}x | {v / base:.2f}x |")
     lines += ["", "![Reference workload throughput](benchmarks.svg)"]
+    if r.get("modes"):
+        hf32, hf16 = peft, th.get("transformers+peft bfloat16, 4 adapters mixed")
+        f32 = r["modes"]["float32"]["tok_s"]
+        lines += ["", "jlora modes, same workload and run (bfloat16: weights, KV cache and LoRA slots stored in "
+                  "bfloat16, computed in float32 on CPU; int8: int8 projections and lm head, per-token int8 "
+                  "activations on CPU):", "",
+                  "| jlora mode | output tok/s | vs jlora float32 | vs transformers+peft float32 | "
+                  "vs transformers+peft bfloat16 | greedy tokens = float32 | weights MB | KV cache MB | LoRA slots MB |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for m, v in r["modes"].items():
+            mem = v["memory"]
+            agree = "-" if m == "float32" else f"{v['greedy_token_agreement']:.0%}"
+            vs16 = f"{v['tok_s'] / hf16:.2f}x" if hf16 else "-"
+            lines.append(f"| {m} | {v['tok_s']:.1f} | {v['tok_s'] / f32:.2f}x | {v['tok_s'] / hf32:.2f}x | {vs16} | "
+                         f"{agree} | {mem['weights']['bytes'] / 1e6:.0f} | {mem['kv_cache']['bytes'] / 1e6:.0f} | "
+                         f"{mem['lora_slots']['bytes'] / 1e6:.0f} |")
+    if r.get("versions"):
+        lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + "."]
     ro = r["roofline"]
     ph = r["prefill_heavy"]
     lines += [
@@ -282,12 +351,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads for the transformers baselines")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--lora-impl", default="auto")
+    p.add_argument("--modes", type=lambda t: [x for x in t.split(",") if x], default=["float32", "bfloat16", "int8"],
+                   help=f"jlora modes to measure, comma-separated, from {list(MODES)} (float32 always runs)")
     p.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",") if x], default=[32, 64],
                    help="also run B requests at once with max_num_seqs=B, for each B (comma-separated; '' for none)")
     p.add_argument("--write", action="store_true",
                    help="write the table into docs/benchmarks.md and the chart into docs/benchmarks.svg")
     p.add_argument("--json", default=None, help="also dump raw results to this file")
     args = p.parse_args(argv)
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        p.error(f"--modes: unknown {bad}; choose from {list(MODES)}")
     result = run(args)
     md = to_markdown(result, args)
     print(md)

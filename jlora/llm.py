@@ -76,6 +76,7 @@ class LLM:
         model: str | os.PathLike | None = None,
         *,
         dtype: str = "float32",
+        quantization: str | None = None,
         max_model_len: int = ENGINE_DEFAULTS["max_model_len"],
         max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"],
         max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"],
@@ -106,6 +107,10 @@ class LLM:
             raise ValueError(f"max_cpu_lora_bytes must be None or an int >= 0, got {v!r}")
         if not isinstance(adapter_cache, (bool, str, os.PathLike)):
             raise ValueError(f"adapter_cache must be a bool or a directory, got {adapter_cache!r}")
+        from jlora.models.quant import check_quantization
+
+        self.quantization = check_quantization(quantization)
+        self.dtype = dtype
         self.config = engine_config(
             dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
@@ -127,7 +132,8 @@ class LLM:
             weights_cache = weights_cache_dir(compilation_cache_dir)
         hits, misses = wc.stats["hits"], wc.stats["misses"]
         t1 = time.perf_counter()
-        self.model, self.model_path, fields = load_model(path, _DTYPES[dtype], weights_cache=weights_cache)
+        self.model, self.model_path, fields = load_model(path, _DTYPES[dtype], weights_cache=weights_cache,
+                                                           quantization=self.quantization)
         # True: read from the weights cache; False: converted (and cached); None: cache off or not needed.
         self.weights_cache_hit: bool | None = (
             True if wc.stats["hits"] > hits else False if wc.stats["misses"] > misses else None)
@@ -260,8 +266,49 @@ class LLM:
 
     # ---- introspection -----------------------------------------------------------------------------
 
+    def memory_report(self, print_table: bool = False) -> dict[str, dict[str, object]]:
+        """Device bytes of the weights, the KV cache and the LoRA slots, with how each is stored.
+
+        {"weights": {"bytes", "dtype", "quantization", "int8_bytes", "float_bytes"}, "kv_cache": {"bytes",
+        "dtype", "tokens"}, "lora_slots": {"bytes", "dtype", "slots", "max_rank"}, "total": {"bytes"}}.
+        bf16 kept as its uint16 bits on XLA:CPU (`jlora.models.quant`) is reported as bfloat16.
+        """
+        def name(x) -> str:
+            return "bfloat16" if x.dtype == jnp.uint16 else str(x.dtype)
+
+        runner, adapters = self.engine.runner, self.engine.adapters
+        leaves = jax.tree.leaves(runner.state)
+        int8 = sum(x.nbytes for x in leaves if x.dtype == jnp.int8)
+        total_w = sum(x.nbytes for x in leaves)
+        kv = list(runner.cache.values())
+        slots = jax.tree.leaves(adapters.lora_state)
+        report: dict[str, dict[str, object]] = {
+            "weights": {"bytes": total_w, "dtype": self.dtype, "quantization": self.quantization,
+                        "int8_bytes": int8, "float_bytes": total_w - int8,
+                        "activations": getattr(self.model, "quant_act", None) or "float"},
+            "kv_cache": {"bytes": sum(x.nbytes for x in kv), "dtype": name(kv[0]),
+                         "tokens": self.config.kv_capacity_tokens},
+            "lora_slots": {"bytes": sum(x.nbytes for x in slots), "dtype": name(slots[0]) if slots else self.dtype,
+                           "slots": self.config.max_loras, "max_rank": self.config.max_lora_rank},
+        }
+        report["total"] = {"bytes": sum(int(v["bytes"]) for v in report.values())}
+        if print_table:
+            print(format_memory_report(report))
+        return report
+
     def compile_report(self, print_table: bool = True) -> dict[str, tuple[int, float]]:
         table = compile_stats.stage_table()
         if print_table:
             print(compile_stats.format_table(table))
         return table
+
+
+def format_memory_report(report: dict[str, dict[str, object]]) -> str:
+    """`LLM.memory_report()` as a small table (MB = 1e6 bytes)."""
+    w, kv, lo = report["weights"], report["kv_cache"], report["lora_slots"]
+    rows = [("weights", w["bytes"], f"{w['dtype']}, quantization={w['quantization']}"
+             + (f" (int8 {w['int8_bytes'] / 1e6:.1f} MB, activations {w['activations']})" if w["int8_bytes"] else "")),
+            ("kv_cache", kv["bytes"], f"{kv['dtype']}, {kv['tokens']} tokens"),
+            ("lora_slots", lo["bytes"], f"{lo['dtype']}, {lo['slots']} slots x rank {lo['max_rank']}"),
+            ("total", report["total"]["bytes"], "")]
+    return "\n".join(f"{n:<11} {b / 1e6:9.1f} MB  {d}" for n, b, d in rows)

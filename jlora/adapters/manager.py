@@ -55,6 +55,7 @@ from jlora.adapters.peft import (
 )
 from jlora.adapters.request import LoRARequest
 from jlora.engine.config import default_max_cpu_loras
+from jlora.models import quant
 from jlora.models.config import PACKED_MODULES, LlamaConfig
 from jlora.models.llama import LORA_MODULES, LoRAState, host_zeros, init_lora_state, lora_state_modules
 
@@ -119,6 +120,10 @@ def set_slot(
 
 
 def _as_dtype(x: Any, dtype: Any) -> Any:
+    if dtype == jnp.uint16:  # a bf16 state kept as its bits (jlora.models.quant.storage_dtype)
+        if isinstance(x, jax.Array):
+            return x if x.dtype == dtype else lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+        return np.asarray(x, dtype=jnp.bfloat16).view(np.uint16)
     if isinstance(x, jax.Array):
         return x if x.dtype == dtype else x.astype(dtype)
     return np.asarray(x, dtype=dtype)
@@ -261,8 +266,8 @@ class AdapterManager:
         self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         self.modules = tuple(modules)
-        self.lora_state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, dtype, self.modules,
-                                                     zeros=host_zeros)
+        self.lora_state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, quant.storage_dtype(dtype),
+                                                     self.modules, zeros=host_zeros)
         self._slots: list[_Slot | None] = [None] * max_loras
         self._host: collections.OrderedDict[_Version, LoRAAdapter] = collections.OrderedDict()
         self._current: dict[str, _Version] = {}  # name -> its newest version seen

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from jlora import compile_stats
 from jlora.engine.config import EngineConfig
 from jlora.engine.structured import fill_mask
+from jlora.models import quant
 from jlora.models.llama import AttnGroup, Llama, LoRAState, host_zeros, init_cache
 from jlora.sampling import MAX_LOGPROBS, SamplingRow, empty_sampling_batch, fill_sampling_row, sample
 
@@ -75,8 +76,12 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         # A flat list of arrays crosses the jit boundary fastest (NNX state flattens in Python).
         self._weights, self._weights_def = jax.tree.flatten(self.state)
+        # bf16 is kept as its bits on XLA:CPU (jlora.models.quant): a no-op for weights loaded that way.
+        self._weights = [quant.to_storage(w) for w in self._weights]
+        self.state = jax.tree.unflatten(self._weights_def, self._weights)
         self.kv_dtype = kv_dtype or model.dtype
-        self.cache = init_cache(self.cfg, config.num_kv_blocks, config.block_size, self.kv_dtype, zeros=host_zeros)
+        self.cache = init_cache(self.cfg, config.num_kv_blocks, config.block_size, quant.storage_dtype(self.kv_dtype),
+                                zeros=host_zeros)
         self._step = jax.jit(self._step_impl, static_argnames=("lora_impl", "attn_chunk"), donate_argnames=("cache",))
         self._executables: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> compiled step
 

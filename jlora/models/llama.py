@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jlora.kernels import lora_delta
+from jlora.models import quant
 from jlora.models.config import PACKED_MODULES, LlamaConfig
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT names
@@ -79,7 +80,7 @@ def apply_rope(
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:  # [..., D], [D]
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+    return (xf * quant.widen(weight).astype(jnp.float32)).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -93,7 +94,7 @@ class RMSNorm(nnx.Module):
 
 def lora_linear(
     x: jax.Array,  # [T, in]
-    kernel: jax.Array,  # [in, out]
+    kernel: jax.Array | quant.QArray,  # [in, out], float or int8
     lora: dict[str, jax.Array] | None,  # {"A": [N, in, R], "B": [N, R, out]}, or [L, ...] with `layer`; or None
     slot_ids: jax.Array,  # i32[T]
     lora_impl: str,
@@ -101,7 +102,7 @@ def lora_linear(
     layer: jax.Array | None = None,  # i32 scalar: which layer of stacked [L, N, ...] slots to use
     splits: tuple[int, ...] | None = None,  # packed module: out widths of its sub-modules (A is [.., in, S*R])
 ) -> jax.Array:  # [T, out]
-    y = x @ kernel
+    y = quant.linear(x, kernel)
     if lora is None:
         return y
 
@@ -110,6 +111,7 @@ def lora_linear(
         if layer is not None:  # sliced here, inside the cond: a step without adapters never reads the slots
             a = jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
             b = jax.lax.dynamic_index_in_dim(b, layer, 0, keepdims=False)
+        a, b = quant.widen(a), quant.widen(b)  # bf16 slots travel as bits on XLA:CPU
         return y + lora_delta(x, a, b, slot_ids, impl=lora_impl, splits=splits).astype(y.dtype)
 
     return with_delta() if enabled is None else jax.lax.cond(enabled, with_delta, lambda: y)
@@ -166,8 +168,8 @@ def paged_attention(
         m, l, acc = carry  # running max, denominator [B, KVH, G, Q]; numerator [B, KVH, G, Q, Dh]
         cols = jnp.minimum(j * per_chunk + jnp.arange(per_chunk), tables.shape[1] - 1)
         blocks = tables[:, cols]  # [B, per_chunk]
-        keys = cache_k[layer, blocks].reshape(bsz, chunk, kvh, dh)
-        values = cache_v[layer, blocks].reshape(bsz, chunk, kvh, dh)
+        keys = quant.widen(cache_k[layer, blocks]).reshape(bsz, chunk, kvh, dh)
+        values = quant.widen(cache_v[layer, blocks]).reshape(bsz, chunk, kvh, dh)
         s = jnp.einsum("bqkgd,bckd->bkgqc", qg, keys, preferred_element_type=jnp.float32)
         key_pos = j * chunk + jnp.arange(chunk)
         visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, Q, C]
@@ -199,9 +201,9 @@ class DecoderLayers(nnx.Module):
         for name, (d_in, outs) in cfg.packed_shapes().items():  # qkv_proj, o_proj, gate_up_proj, down_proj
             setattr(self, name, nnx.Param(init(rngs.params(), (L, d_in, sum(outs)), dtype)))
 
-    def weights(self) -> dict[str, jax.Array]:  # name -> [L, ...]
+    def weights(self) -> dict[str, jax.Array | quant.QArray]:  # name -> [L, ...] (int8 ones as QArray)
         names = ("input_layernorm", "post_attention_layernorm") + FUSED_MODULES
-        return {n: getattr(self, n)[...] for n in names}
+        return {n: quant.weight(self, n) for n in names}
 
 
 class Llama(nnx.Module):
@@ -248,13 +250,14 @@ class Llama(nnx.Module):
 
         # The stacked slots are a loop constant, not a scanned input: scanning them would slice (and on
         # XLA:CPU copy) every layer's [N, in, R] block each step, also when no token uses an adapter.
-        lora = lora_state or None
+        lora = quant.to_bits(lora_state) or None
         get = (lambda m: lora.get(m)) if lora is not None else (lambda m: None)  # noqa: E731
         splits = {m: outs if len(outs) > 1 else None for m, (_, outs) in cfg.packed_shapes().items()}
 
         def layer(carry, xs):
             x, ck, cv = carry
             w, i = xs
+            w = quant.widen(w)  # this layer's bf16 weights, sliced as bits, to f32 on XLA:CPU
 
             def linear(h: jax.Array, name: str) -> jax.Array:
                 return lora_linear(h, w[name], get(name), slot_ids, lora_impl, enabled=any_lora, layer=i,
@@ -264,8 +267,8 @@ class Llama(nnx.Module):
             q, k, v = jnp.split(linear(y, "qkv_proj"), [h * dh, (h + kvh) * dh], axis=-1)  # one GEMM
             q, k, v = q.reshape(-1, h, dh), k.reshape(-1, kvh, dh), v.reshape(-1, kvh, dh)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            ck = ck.at[i, block, offset].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[i, block, offset].set(v.astype(cv.dtype), mode="drop")
+            ck = ck.at[i, block, offset].set(quant.narrow(k, ck), mode="drop")
+            cv = cv.at[i, block, offset].set(quant.narrow(v, cv), mode="drop")
             outs, start = [], 0
             for g in groups:
                 b, nq = g.positions.shape
@@ -279,15 +282,13 @@ class Llama(nnx.Module):
             x = x + linear(jax.nn.silu(gate) * up, "down_proj")
             return (x, ck, cv), None
 
-        x = self.embed_tokens[...][tokens]
-        xs = (self.layers.weights(), jnp.arange(cfg.num_hidden_layers))
-        (x, ck, cv), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]), xs)
-        return x, {"k": ck, "v": cv}
+        x = quant.embed(quant.weight(self, "embed_tokens"), tokens)
+        xs = (quant.to_bits(self.layers.weights()), jnp.arange(cfg.num_hidden_layers))
+        (x, ck, cv), _ = jax.lax.scan(layer, (x, *quant.to_bits((cache["k"], cache["v"]))), xs)
+        return x, {"k": quant.like(ck, cache["k"]), "v": quant.like(cv, cache["v"])}
 
     def logits(self, x: jax.Array) -> jax.Array:  # [..., D] hidden before the final norm -> f32[..., V]
-        x = self.norm(x)
-        head = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return jnp.dot(x, head, preferred_element_type=jnp.float32)
+        return quant.lm_head(self.norm(x), quant.head_rows(self))
 
     def __call__(
         self,

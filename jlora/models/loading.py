@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jlora.models import quant
 from jlora.models.config import PACKED_MODULES, LlamaConfig
 from jlora.models.llama import LORA_MODULES, Llama
 
@@ -174,37 +175,53 @@ def hf_name_table(cfg: LlamaConfig) -> dict[str, Entry]:
     return table
 
 
-def build_model(cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32) -> Llama:
-    """An NNX Llama holding `tensors` (HF names, [out, in] layout); every weight checked by shape."""
-    model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+def build_model(cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = jnp.float32,
+                quantization: str | None = None) -> Llama:
+    """An NNX Llama holding `tensors` (HF names, [out, in] layout); every weight checked by shape.
+
+    `quantization` ("int8", "int8-weight-only"): the projections and lm head become int8 with
+    per-output-channel scales (`jlora.models.quant`); tensors already quantized by
+    `quant.prepare_tensors` (int8 + `<name>_scale`, as the weights cache holds them) are used as they are.
+    """
+    quantization = quant.check_quantization(quantization)
+    tensors = quant.prepare_tensors(tensors, cfg.tie_word_embeddings, None, quantization)
+    model = nnx.eval_shape(lambda: quant.quantize_model(Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)), quantization))
     state = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(state))
     table = hf_name_table(cfg)
+    table.update(quant.scale_table(table, flat))
     ignored = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unknown = sorted(k for k in tensors if k not in table and k not in ignored and "rotary_emb" not in k)
     if unknown:
         raise ValueError(f"checkpoint has tensors this Llama does not use: {unknown[:5]}")
-    np_dtype = np.dtype(jnp.dtype(dtype).name) if jnp.dtype(dtype) != jnp.bfloat16 else np.float32
-    stacks = {path: np.empty(flat[path].get_value().shape, np_dtype)
+    def stored(path: tuple[Any, ...]) -> np.dtype:  # the parameter's dtype: the compute dtype, int8, f32 scales
+        return np.dtype(flat[path].get_value().dtype)
+
+    stacks = {path: np.empty(flat[path].get_value().shape, stored(path))
               for path, layer, _, _ in table.values() if layer is not None}
     for name, (path, layer, transpose, cols) in table.items():
         if name not in tensors:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
+        transpose = transpose and stored(path) != np.int8  # int8 weights keep the HF [out, in] layout
         arr = tensors[name].T if transpose else tensors[name]
         expected = list(flat[path].get_value().shape[1:] if layer is not None else flat[path].get_value().shape)
+        # The output axis of one layer's parameter: float [in, out] last; int8 [out, in] and scales [out] first.
+        out_axis = 0 if stored(path) == np.int8 or len(expected) == 1 else -1
         if cols is not None:
-            expected[-1] = cols[1] - cols[0]
+            expected[out_axis] = cols[1] - cols[0]
         if arr.shape != tuple(expected):
             raise ValueError(f"tensor {name!r} has shape {tensors[name].shape}, expected {tuple(expected)} "
                              f"(after transpose={transpose})")
-        if layer is None:
-            flat[path].set_value(jnp.asarray(arr, dtype=dtype))
+        if layer is None:  # bf16 is stored as its bits on XLA:CPU (quant.to_storage)
+            flat[path].set_value(jnp.asarray(quant.to_storage(np.asarray(arr).astype(stored(path)))))
         elif cols is None:
             stacks[path][layer] = arr
-        else:  # a sub-module's columns of its packed module (q | k | v, gate | up)
+        elif out_axis == 0:  # a sub-module's output channels of its packed module (q | k | v, gate | up)
+            stacks[path][layer, cols[0]:cols[1]] = arr
+        else:
             stacks[path][layer, :, cols[0]:cols[1]] = arr
     for path, arr in stacks.items():
-        flat[path].set_value(jnp.asarray(arr, dtype=dtype))
+        flat[path].set_value(jnp.asarray(quant.to_storage(arr)))
     nnx.update(model, nnx.from_flat_state(flat))
     # eval_shape left the rotary constant abstract; recompute it concretely.
     from jlora.models.llama import rope_inv_freq
@@ -216,16 +233,20 @@ def load_model(
     model: str | Path | None = None,
     dtype: Any = jnp.float32,
     weights_cache: bool | str | os.PathLike = False,
+    quantization: str | None = None,
 ) -> tuple[Llama, Path, dict[str, Any]]:
     """Model from a GGUF file, an HF checkpoint directory, or an orbax directory saved by `save_model`.
 
     `weights_cache`: True (the default directory) or a directory keeps the converted weights on disk
-    (`jlora.models.weights_cache`), so the next load of the same file skips GGUF dequantization.
+    (`jlora.models.weights_cache`), so the next load of the same file skips GGUF dequantization
+    (and int8 quantization: the entry holds the weights as `quantization` stores them).
+    `quantization`: None/"none", "int8" or "int8-weight-only" (`jlora.models.quant`).
     Returns (model, resolved path, GGUF metadata fields or {}).
     """
+    quantization = quant.check_quantization(quantization)
     path = resolve_model_path(model)
     if (path / "jlora_model.json").is_file():
-        return restore_model(path, dtype), path, {}
+        return quant.quantize_model(restore_model(path, dtype), quantization), path, {}
     if not path.is_file() and not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} holds neither a GGUF file, a config.json checkpoint nor a jlora checkpoint")
     if weights_cache:
@@ -233,14 +254,15 @@ def load_model(
         from jlora.tokenizer import read_gguf_fields
 
         root = None if weights_cache is True else Path(weights_cache)
-        cfg, tensors, _ = wc.cached_read(path, dtype, _read_tensors, root)
+        cfg, tensors, _ = wc.cached_read(path, dtype, _read_tensors, root, quantization=quantization)
         # The tokenizer needs only the metadata, which this reader takes from the file's head in ~0.1 s.
-        return build_model(cfg, tensors, dtype), path, read_gguf_fields(path) if path.is_file() else {}
+        return (build_model(cfg, tensors, dtype, quantization), path,
+                read_gguf_fields(path) if path.is_file() else {})
     if path.is_file():
         cfg, tensors, fields = read_gguf(path)
-        return build_model(cfg, tensors, dtype), path, fields
+        return build_model(cfg, tensors, dtype, quantization), path, fields
     cfg, tensors = read_hf_checkpoint(path)
-    return build_model(cfg, tensors, dtype), path, {}
+    return build_model(cfg, tensors, dtype, quantization), path, {}
 
 
 def _read_tensors(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:

@@ -45,7 +45,7 @@ META_FILE = "meta.json"
 # hits, misses, rebuilds (a damaged entry replaced): `LLM` reads these to report what happened.
 stats: collections.Counter[str] = collections.Counter()
 
-_ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16)}
+_ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "I8": np.dtype(np.int8)}
 
 
 def _st_dtypes() -> dict[str, np.dtype]:
@@ -220,17 +220,23 @@ def cached_read(
     dtype: Any,
     read: Callable[[Path], tuple[LlamaConfig, dict[str, np.ndarray]]],
     root: Path | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaConfig, dict[str, np.ndarray], bool]:
     """(config, tensors cast to `dtype`, hit?) of the model at `path`, from the cache when it has them.
 
+    `quantization` ("int8", "int8-weight-only"): the projections and lm head are stored as int8 plus
+    `<name>_scale` (`jlora.models.quant.prepare_tensors`); both int8 modes share one entry.
     `read(path)` converts the source on a miss. The tensors returned on a miss are read back from the
     new entry, so a hit and a miss hand `build_model` the same bytes.
     """
+    from jlora.models import quant
+
     root = Path(root) if root is not None else default_cache_dir()
     np_dtype = np.dtype(dtype)
     dtype_name = np_dtype.name
+    quantized = quant.check_quantization(quantization) != "none"
     sources = source_files(path)
-    key = entry_key(sources, dtype_name, root)
+    key = entry_key(sources, dtype_name + ("|int8" if quantized else ""), root)
     entry = root / key
     if entry.exists():
         try:
@@ -243,8 +249,8 @@ def cached_read(
             shutil.rmtree(entry, ignore_errors=True)
     stats["misses"] += 1
     cfg, tensors = read(path)
-    tensors = {k: np.asarray(v).astype(np_dtype, copy=False) for k, v in tensors.items()}
-    info = {"dtype": dtype_name, "sources": [{"path": str(f.resolve()), "size": f.stat().st_size} for f in sources]}
+    tensors = quant.prepare_tensors(tensors, cfg.tie_word_embeddings, np_dtype, quantization)
+    info = {"dtype": dtype_name, "quantization": "int8" if quantized else "none", "sources": [{"path": str(f.resolve()), "size": f.stat().st_size} for f in sources]}
     try:
         entry = write_entry(root, key, cfg, tensors, info)
         cfg, tensors = read_entry(entry, key)
