@@ -52,7 +52,7 @@ def adapters(real_llm, tmp_path_factory):
     cfg = real_llm.model.cfg
     a = write_peft_adapter(root / "qv", cfg, 8, 16, ["q_proj", "v_proj"], seed=1)
     b = write_peft_adapter(root / "all", cfg, 16, 32, list(cfg.module_shapes()), seed=2)
-    return [LoRARequest("qv", 1, str(a)), LoRARequest("all", 2, str(b))]
+    return [LoRARequest("qv", 901, str(a)), LoRARequest("all", 902, str(b))]  # ids no other test uses (shared real_llm)
 
 
 def rows(adapters):
