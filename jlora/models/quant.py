@@ -160,26 +160,25 @@ def to_bits(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-def from_bits(tree: Any) -> Any:
-    """`to_bits` undone: uint16 arrays back to bf16 (a bitcast, no conversion)."""
+def _on_bits(tree: Any, fn: Any) -> Any:
+    """`fn(bf16 array)` for every uint16 (bf16 bits) array in `tree`; QArrays and the rest unchanged."""
 
     def one(x: Any) -> Any:
         if isinstance(x, jax.Array) and x.dtype == jnp.uint16:
-            return jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+            return fn(jax.lax.bitcast_convert_type(x, jnp.bfloat16))
         return x
 
-    return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree, is_leaf=lambda v: isinstance(v, QArray))
+
+
+def from_bits(tree: Any) -> Any:
+    """`to_bits` undone: uint16 arrays back to bf16 (a bitcast, no conversion)."""
+    return _on_bits(tree, lambda b: b)
 
 
 def widen(tree: Any) -> Any:
     """uint16 bf16 bits -> f32 (the compute dtype where bf16 is stored as bits); others unchanged."""
-
-    def one(x: Any) -> Any:
-        if isinstance(x, jax.Array) and x.dtype == jnp.uint16:
-            return jax.lax.bitcast_convert_type(x, jnp.bfloat16).astype(jnp.float32)
-        return x
-
-    return jax.tree.map(one, tree, is_leaf=lambda v: isinstance(v, QArray))
+    return _on_bits(tree, lambda b: b.astype(jnp.float32))
 
 
 def like(x: jax.Array, ref: jax.Array) -> jax.Array:
