@@ -3,7 +3,10 @@
 Per token t with slot s = slot_ids[t]: delta[t] = x[t] @ a[s] @ b[s], and zero where s == -1
 (any id outside [0, N)). Implementations live in their own modules; `gather` is the reference
 every other one is tested against, `choose_impl` holds the measured crossovers (docs/kernels.md).
+`paged_attention` (attention over the block-table KV cache) sits beside its reference in `attention`.
 """
+
+from jlora.kernels.attention import paged_attention, paged_attention_reference, validate_attention_args
 
 from jlora.kernels.common import validate_lora_args
 from jlora.kernels.dispatch import CHOICES, IMPLS, choose_impl, lora_delta
@@ -25,5 +28,8 @@ __all__ = [
     "lora_delta_pallas",
     "lora_delta_pallas_gpu",
     "lora_delta_pallas_tpu",
+    "paged_attention",
+    "paged_attention_reference",
+    "validate_attention_args",
     "validate_lora_args",
 ]

@@ -14,8 +14,9 @@ The KV cache is paged: `k, v: [L, num_blocks, block_size, KVH, Dh]`. Tokens arri
 ([T]); attention sees them as groups (`AttnGroup`): B sequences with Q query tokens each, their
 positions and block tables. The engine's step is two groups, the running sequences' decode
 tokens ([R, 1]) and one prefill chunk ([1, Q]); a direct model call is one group [B, T].
-Attention walks the keys in chunks of `attn_chunk` positions up to the furthest query position
-(a loop with a data-dependent trip count, online softmax), so no graph is keyed by span.
+Attention (`jlora.kernels.attention.paged_attention`) walks the keys in chunks of `attn_chunk`
+positions up to the furthest query position (a loop with a data-dependent trip count, online
+softmax), so no graph is keyed by span.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jlora.kernels import lora_delta
+from jlora.kernels.attention import paged_attention
 from jlora.models import quant
 from jlora.models.config import PACKED_MODULES, LlamaConfig
 
@@ -144,52 +146,6 @@ class AttnGroup:
     block_tables: jax.Array  # i32[B, MB]: the blocks holding each sequence's positions, in order
 
 
-def paged_attention(
-    q: jax.Array,  # [B, Q, H, Dh]
-    group: AttnGroup,
-    cache_k: jax.Array,  # [L, NB, bs, KVH, Dh]
-    cache_v: jax.Array,  # [L, NB, bs, KVH, Dh]
-    layer: jax.Array,  # i32 scalar
-    chunk: int,  # key positions per loop iteration, a multiple of bs
-) -> jax.Array:  # f32[B, Q, H, Dh]
-    """Causal grouped-query attention over each sequence's cached keys, chunk by chunk.
-
-    The loop runs to the furthest query position in the group (data-dependent trip count, so one
-    graph serves every span) with an online softmax; a fully padded row returns zeros.
-    """
-    bsz, nq, h, dh = q.shape
-    bs, kvh = cache_k.shape[2], cache_k.shape[3]
-    tables, positions = group.block_tables, group.positions
-    per_chunk = chunk // bs
-    qg = q.reshape(bsz, nq, kvh, h // kvh, dh).astype(jnp.float32) / math.sqrt(dh)
-    n_chunks = (jnp.max(positions) + chunk) // chunk  # 0 when every query is padding
-
-    def body(j, carry):
-        m, l, acc = carry  # running max, denominator [B, KVH, G, Q]; numerator [B, KVH, G, Q, Dh]
-        cols = jnp.minimum(j * per_chunk + jnp.arange(per_chunk), tables.shape[1] - 1)
-        blocks = tables[:, cols]  # [B, per_chunk]
-        keys = quant.widen(cache_k[layer, blocks]).reshape(bsz, chunk, kvh, dh)
-        values = quant.widen(cache_v[layer, blocks]).reshape(bsz, chunk, kvh, dh)
-        s = jnp.einsum("bqkgd,bckd->bkgqc", qg, keys, preferred_element_type=jnp.float32)
-        key_pos = j * chunk + jnp.arange(chunk)
-        visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, Q, C]
-        s = jnp.where(visible[:, None, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        scale = jnp.exp(m - m_safe)
-        l = l * scale + p.sum(-1)
-        acc = acc * scale[..., None] + jnp.einsum("bkgqc,bckd->bkgqd", p, values.astype(jnp.float32))
-        return m_new, l, acc
-
-    shape = (bsz, kvh, h // kvh, nq)
-    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (dh,), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, KVH, G, Q, Dh]
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(bsz, nq, h, dh)
-
-
 class DecoderLayers(nnx.Module):
     """All L decoder layers; every weight carries a leading layer axis and is scanned over."""
 
@@ -273,7 +229,7 @@ class Llama(nnx.Module):
             for g in groups:
                 b, nq = g.positions.shape
                 qg = q[start: start + b * nq].reshape(b, nq, h, dh)
-                outs.append(paged_attention(qg, g, ck, cv, i, chunk).reshape(b * nq, h * dh))
+                outs.append(paged_attention(qg, ck, cv, i, g.positions, g.block_tables, chunk=chunk).reshape(b * nq, h * dh))
                 start += b * nq
             attn = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
             x = x + linear(attn.astype(x.dtype), "o_proj")
