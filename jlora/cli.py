@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from jlora.bench import BENCHMARKS
 from jlora.defaults import DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS
 
 
@@ -202,9 +203,21 @@ def startup_summary(llm: Any, seconds: float) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from jlora.demo import run_demo
+    from jlora import demo
 
-    return run_demo(args)
+    # Everything that needs no model first: a bad flag or a missing adapter costs no compile.
+    check_max_tokens(args.max_tokens)
+    adapters = demo.adapter_dirs()
+    for name, path in adapters.items():
+        check_adapter(str(path), flag=f"demo adapter {name!r}")
+    kwargs = engine_kwargs(args)
+    t0 = time.time()
+    llm = make_llm(args, kwargs)
+    print(f"loaded and {'set up (lazy: graphs compile on first use)' if args.lazy else 'warmed up'} "
+          f"in {time.time() - t0:.1f}s")
+    if args.verbose:
+        print(f"[jlora demo: {startup_summary(llm, time.time() - t0)}]", file=sys.stderr)
+    return demo.run_demo(llm, adapters, args.max_tokens, after="start-up" if args.lazy else "warm-up")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -220,25 +233,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "serve":
-        from jlora.server.bench import main as serve_bench_main
+    from jlora import bench
 
-        return serve_bench_main(args.rest)
-    if args.what == "kernels":
-        from jlora.kernels.bench import main as kernels_main
-
-        return kernels_main(args.rest)
-    if args.what == "start":
-        from jlora.bench_start import main as start_main
-
-        return start_main(args.rest)
-    if args.what == "adapters":
-        from jlora.bench_adapters import main as adapters_main
-
-        return adapters_main(args.rest)
-    from jlora.bench import main as bench_main
-
-    return bench_main(args.rest)
+    return bench.run(args.what, args.rest)
 
 
 def _version() -> str:
@@ -285,9 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks: `jlora bench` (end to end), `jlora bench start` (cold and warm "
-                                     "start-up), `jlora bench kernels`, `jlora bench serve` or `jlora bench adapters` (many "
-                                     "adapters, S-LoRA's experiment)")
-    b.add_argument("what", nargs="?", default="e2e", choices=["e2e", "kernels", "start", "serve", "adapters"])
+                                     "start-up), `jlora bench kernels`, `jlora bench serve`, `jlora bench adapters` (many "
+                                     "adapters, S-LoRA's experiment), `jlora bench lora-cost`, `decode-step`, "
+                                     "`adapter-load` (see jlora/bench/)")
+    b.add_argument("what", nargs="?", default="e2e", choices=list(BENCHMARKS))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     return parser
@@ -301,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["convert"]:
         argv = ["convert", "--"] + argv[1:]
     if argv[:1] == ["bench"]:
-        what = argv[1] if argv[1:2] in (["kernels"], ["start"], ["serve"], ["adapters"]) else "e2e"
-        argv = ["bench", what, "--"] + argv[1 + (what != "e2e"):]
+        named = argv[1:2] != [] and argv[1] in BENCHMARKS
+        what = argv[1] if named else "e2e"
+        argv = ["bench", what, "--"] + argv[1 + named:]
     args = parser.parse_args(argv)
     if args.cmd in ("convert", "bench") and args.rest[:1] == ["--"]:
         args.rest = args.rest[1:]

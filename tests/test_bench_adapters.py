@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jlora.adapters.peft import read_peft_adapter
-from jlora.bench_adapters import BEGIN, END, MODULES, draw_adapters, main, write_docs, write_peft_adapters
+from jlora.bench.adapters import BEGIN, END, MODULES, draw_adapters, main, write_docs, write_peft_adapters
 from jlora.models import LlamaConfig
 
 CFG = LlamaConfig.preset("tiny")
@@ -34,9 +34,9 @@ def test_popularity_draws():
 def test_docs_block_is_replaced_in_place(tmp_path):
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# head\n\nkept above\n")
-    write_docs(f"{BEGIN}\nfirst\n{END}", tmp_path)
+    write_docs("first", tmp_path)
     doc.write_text(doc.read_text() + "\nkept below\n")
-    write_docs(f"{BEGIN}\nsecond\n{END}", tmp_path)
+    write_docs("second", tmp_path)
     text = doc.read_text()
     assert "first" not in text and text.count(BEGIN) == 1 and "kept above" in text and "kept below" in text
     assert text.index("second") < text.index("kept below")

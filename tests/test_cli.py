@@ -172,13 +172,30 @@ def test_verbose_prints_timings(capsys, monkeypatch):
     assert err.startswith("[jlora generate: start-up") and "cache hit" in err
 
 
-def test_bench_dispatch_knows_start(monkeypatch):
-    import jlora.bench_start
+@pytest.mark.parametrize("argv,module,rest", [
+    (["bench", "start", "--write"], "start", ["--write"]),
+    (["bench", "--write", "--rounds", "1"], "workload", ["--write", "--rounds", "1"]),
+    (["bench"], "workload", []),
+    (["bench", "kernels", "--quick"], "kernels", ["--quick"]),
+    (["bench", "serve", "--rates", "inf"], "serve", ["--rates", "inf"]),
+    (["bench", "adapters", "--write"], "adapters", ["--write"]),
+    (["bench", "lora-cost", "--rounds", "2"], "lora_cost", ["--rounds", "2"]),
+    (["bench", "decode-step"], "decode_step", []),
+    (["bench", "adapter-load", "--ranks", "8"], "adapter_load", ["--ranks", "8"]),
+])
+def test_bench_dispatch_reaches_each_benchmark(monkeypatch, argv, module, rest):
+    import importlib
 
+    import jlora.bench
+
+    assert sorted(jlora.bench.BENCHMARKS.values()) == sorted(
+        ["workload", "start", "kernels", "serve", "adapters", "lora_cost", "decode_step", "adapter_load"])
     seen = []
-    monkeypatch.setattr(jlora.bench_start, "main", lambda rest: seen.append(rest) or 0)
-    assert cli.main(["bench", "start", "--write"]) == 0
-    assert seen == [["--write"]]
+    for name in jlora.bench.BENCHMARKS.values():
+        mod = importlib.import_module(f"jlora.bench.{name}")
+        monkeypatch.setattr(mod, "main", lambda rest, name=name: seen.append((name, rest)) or 0)
+    assert cli.main(argv) == 0
+    assert seen == [(module, rest)]
 
 
 def _fake_start_result():
@@ -191,8 +208,8 @@ def _fake_start_result():
 
 
 def test_bench_start_write_keeps_the_rest_of_benchmarks_md(tmp_path):
-    from jlora.bench import ANALYSIS_MARKER
-    from jlora.bench_start import BEGIN, END, kept_block, to_markdown, write_block
+    from jlora.bench.docs import ANALYSIS_MARKER
+    from jlora.bench.start import BEGIN, END, kept_block, to_markdown, write_block
 
     md = to_markdown(_fake_start_result())
     assert "## Start-up (`jlora bench start`)" in md and "| cold | 9.5 |" in md and "| miss |" in md

@@ -219,7 +219,7 @@ def test_inside_a_larger_jit():
 
 
 def test_bench_quick_writes_its_section(tmp_path):
-    from jlora.kernels.bench import BEGIN, END, main
+    from jlora.bench.kernels import BEGIN, END, main
 
     out = tmp_path / "kernels.md"
     out.write_text(f"# prose kept\n\n{BEGIN}\nold\n{END}\n\ntail kept\n")

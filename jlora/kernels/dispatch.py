@@ -22,7 +22,7 @@ IMPLS: dict[str, Callable[..., jax.Array]] = {
 CHOICES = ("auto", *IMPLS)
 
 
-# Crossovers on XLA:CPU, from `python benchmarks/bench_kernels.py` (docs/kernels.md, f32, 2 cores,
+# Crossovers on XLA:CPU, from `jlora bench kernels` (docs/kernels.md, f32, 2 cores,
 # 126 shapes: T in {8, 16, 64, 512, 2048}, D=O in {576, 2048, 4096}, N in {1, 4, 16, 64},
 # R in {8, 16, 64}). Times there are medians of interleaved rounds; the table lists them all.
 DECODE_MAX_T = 64  # T above this is "prefill" (measured at 512 and 2048)

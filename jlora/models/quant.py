@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jlora.defaults import QUANTIZATIONS
+from jlora.models.config import FUSED_OF  # every projection's Hugging Face name -> its packed module
 
 QMAX = 127  # symmetric: -127..127 (-128 unused, so negation is exact)
 # scale = amax * (1/127) in float32, in both implementations: XLA rewrites a division by a constant
@@ -302,11 +303,9 @@ def weight(module: Any, name: str) -> jax.Array | QArray:
 def quantized_tensor_names(names: Any, tied: bool) -> list[str]:
     """The Hugging Face tensors that int8 quantization replaces: every projection, and the lm head
     (the token embedding when the two are tied)."""
-    from jlora.models.llama import LORA_MODULES
-
     head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     return [n for n in names
-            if n == head or (n.endswith(".weight") and n.rsplit(".", 2)[-2] in LORA_MODULES)]
+            if n == head or (n.endswith(".weight") and n.rsplit(".", 2)[-2] in FUSED_OF)]
 
 
 def scale_name(name: str) -> str:

@@ -8,9 +8,8 @@ code as the picked implementation, so its time is that implementation's time.
 Slot ids: decode shapes (T <= 64) give every token its own uniformly random id in [-1, N);
 prefill shapes give each 64-token sequence one uniformly random id in [-1, N).
 
-    python benchmarks/bench_kernels.py            # the documented grid, writes docs/kernels.md
-    python benchmarks/bench_kernels.py --quick    # a few tiny shapes, prints only
-    jlora bench kernels --quick
+    jlora bench kernels            # the documented grid, writes docs/kernels.md
+    jlora bench kernels --quick    # a few tiny shapes, prints only
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jlora.bench.docs import DOCS
 from jlora.kernels.dispatch import choose_impl
 from jlora.kernels.gather import lora_delta_gather
 from jlora.kernels.grouped import lora_delta_grouped
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     names = list(fns)
     dtype = jnp.dtype(args.dtype)
     grid = quick_grid() if args.quick else full_grid()
-    out = Path(args.out) if args.out else (None if args.quick else Path("docs/kernels.md"))
+    out = Path(args.out) if args.out else (None if args.quick else DOCS / "kernels.md")
     plot_path = Path(args.plot) if args.plot else (None if out is None else out.with_suffix(".png"))
 
     start = time.perf_counter()
@@ -309,7 +309,7 @@ def _rerender(args) -> int:
     summary = summarize(rows)
     text = markdown(rows, names, meta, summary)
     print(text)
-    out = Path(args.out) if args.out else Path("docs/kernels.md")
+    out = Path(args.out) if args.out else DOCS / "kernels.md"
     write_section(out, text)
     print(f"wrote {out}")
     if args.json:
@@ -321,3 +321,7 @@ def _auto_fn(impl: str) -> Callable:
     from jlora.kernels.dispatch import lora_delta
 
     return lambda x, a, b, s: lora_delta(x, a, b, s, impl=impl)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -30,39 +30,20 @@ from typing import Any
 
 import numpy as np
 
+from jlora.bench.docs import DOCS, write_block
+from jlora.bench.peft_adapters import ATTENTION, write_peft_adapter
 from jlora.plot import bar_chart_svg
 
 BEGIN = "<!-- jlora bench adapters: begin (rewritten by `jlora bench adapters --write`) -->"
 END = "<!-- jlora bench adapters: end -->"
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MODULES = ATTENTION
 RANK = 8
 
 
 def write_peft_adapters(root: Path, model_cfg: Any, k: int, rank: int = RANK, seed: int = 0) -> list[Path]:
-    """`k` PEFT LoRA directories under `root`, as `peft.save_pretrained` lays them out (keys
-    `base_model.model.model.layers.{i}.self_attn.{m}.lora_A.weight` [r, in], `lora_B.weight` [out, r])."""
-    from safetensors.numpy import save_file
-
-    shapes = model_cfg.module_shapes()
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-              "lora_dropout": 0.0, "target_modules": list(MODULES), "bias": "none", "fan_in_fan_out": False,
-              "use_rslora": False, "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    """`k` PEFT LoRA directories `root/adapter0000`, ... of `rank` on q/k/v/o (see `peft_adapters`)."""
     rng = np.random.default_rng(seed)
-    paths = []
-    for a in range(k):
-        tensors = {}
-        for layer in range(model_cfg.num_hidden_layers):
-            for m in MODULES:
-                d_in, d_out = shapes[m]
-                key = f"base_model.model.model.layers.{layer}.self_attn.{m}"
-                tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, d_in), np.float32) / np.sqrt(d_in))
-                tensors[f"{key}.lora_B.weight"] = rng.standard_normal((d_out, rank), np.float32) * 0.01
-        path = root / f"adapter{a:04d}"
-        path.mkdir(parents=True)
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        (path / "adapter_config.json").write_text(json.dumps(config))
-        paths.append(path)
-    return paths
+    return [write_peft_adapter(root / f"adapter{a:04d}", model_cfg, rank, MODULES, rng) for a in range(k)]
 
 
 def draw_adapters(k: int, n: int, popularity: str, rng: np.random.Generator) -> list[int]:
@@ -141,7 +122,7 @@ def decode_step_ms(llm: Any, prompts: list[list[int]], loras: list[Any], steps: 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from jlora import LLM, LoRARequest, SamplingParams, compile_stats
-    from jlora.bench import make_prompts
+    from jlora.bench.workload import make_prompts
 
     root = Path(tempfile.mkdtemp(prefix="jlora-bench-adapters-"))
     result: dict[str, Any] = {"runs": [], "step_ms": {}, "args": vars(args)}
@@ -226,7 +207,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(r: dict[str, Any]) -> str:
     a = r["args"]
     lines = [
-        BEGIN,
         "## Many adapters (`jlora bench adapters`)",
         "",
         f"S-LoRA's experiment on this machine: K distinct rank-{RANK} adapters on q/k/v/o (PEFT files written by "
@@ -259,7 +239,7 @@ def to_markdown(r: dict[str, Any]) -> str:
         cells = [f"{e[k]:.1f}" if k in e else "-" for k in kinds]
         lines.append(f"| {n} | {e['lora_state_mb']:.0f} | " + " | ".join(cells) + " |")
     lines += ["", f"XLA compilations after warm-up during all of the above: {r['compiles_after_warmup']}.",
-              *([r["note"]] if r.get("note") else []), END]
+              *([r["note"]] if r.get("note") else [])]
     return "\n".join(lines)
 
 
@@ -270,15 +250,9 @@ def write_plot(r: dict[str, Any], path: Path) -> None:
                                   reference_label="0.8x (target)"))
 
 
-def write_docs(md: str, docs: Path) -> None:
-    out = docs / "benchmarks.md"
-    old = out.read_text() if out.exists() else ""
-    if BEGIN in old and END in old:
-        head, _, rest = old.partition(BEGIN)
-        new = head + md + rest.partition(END)[2]
-    else:
-        new = old.rstrip("\n") + "\n\n" + md + "\n"
-    out.write_text(new)
+def write_docs(md: str, docs: Path = DOCS) -> None:
+    """This benchmark's block in docs/benchmarks.md, below the hand-written analysis."""
+    write_block(docs / "benchmarks.md", BEGIN, END, md, above_analysis=False)
 
 
 def _ints(text: str) -> list[int]:
@@ -305,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     if args.write:
-        docs = Path(__file__).resolve().parent.parent / "docs"
-        write_docs(md, docs)
-        write_plot(result, docs / "bench_adapters.svg")
+        write_docs(md)
+        write_plot(result, DOCS / "bench_adapters.svg")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

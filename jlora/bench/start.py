@@ -7,7 +7,7 @@ so interpreter start and imports count), where they went (imports, weights, warm
 graphs compiled (`jlora.compile_stats`) and loaded from the persistent cache.
 
 With --write the table goes into docs/benchmarks.md as its own block, which `jlora bench --write`
-keeps (see `jlora.bench`), as it keeps the hand-written analysis below its marker.
+keeps (see `jlora.bench.workload`), as it keeps the hand-written analysis below its marker.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from jlora.bench import docs
 
 BEGIN = "<!-- jlora bench start: begin (rewritten by `jlora bench start --write`) -->"
 END = "<!-- jlora bench start: end -->"
@@ -118,37 +120,20 @@ def to_markdown(r: dict[str, Any]) -> str:
 
 
 def write_block(doc: Path, md: str) -> None:
-    """Put `md` between BEGIN/END in `doc`: replacing the old block, else just above the analysis marker."""
-    from jlora.bench import ANALYSIS_MARKER
-
-    block = f"{BEGIN}\n{md}\n{END}\n"
-    text = doc.read_text() if doc.exists() else ""
-    if BEGIN in text and END in text:
-        head, _, rest = text.partition(BEGIN)
-        text = head + block + "\n" + rest.partition(END)[2].lstrip("\n")
-    elif ANALYSIS_MARKER in text:
-        head, _, rest = text.partition(ANALYSIS_MARKER)
-        text = head + block + "\n" + ANALYSIS_MARKER + rest
-    else:
-        text = text + ("\n" if text and not text.endswith("\n") else "") + "\n" + block
-    doc.write_text(text)
+    """This benchmark's block in `doc` (docs/benchmarks.md), just above the hand-written analysis."""
+    docs.write_block(doc, BEGIN, END, md)
 
 
 def kept_block(text: str) -> str:
     """The start-up block of an existing docs/benchmarks.md (with a blank line after), or ""."""
-    if BEGIN not in text or END not in text:
-        return ""
-    return BEGIN + text.partition(BEGIN)[2].partition(END)[0] + END + "\n\n"
+    return docs.kept_block(text, BEGIN, END)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jlora.cli import HelpFormatter
-
-    p = argparse.ArgumentParser(prog="jlora bench start", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="jlora bench start", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--lazy", action="store_true", help="also measure the lazy mode, LLM(warmup=False)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per start-up process")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per start-up process (default: 1800)")
     p.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     p.add_argument("--json", default=None, help="also dump raw results to this file")
     args = p.parse_args(argv)
@@ -158,5 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.write:
-        write_block(Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md", md)
+        write_block(docs.DOCS / "benchmarks.md", md)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,13 +5,12 @@ Two phases, timed separately, median of several runs:
   host -> device: the one jitted, donated `set_slot` write (blocked until done).
 Adapters are written with safetensors directly (same keys peft writes), so torch is not needed.
 
-    python benchmarks/bench_adapter_load.py [--ranks 8 64] [--max-lora-rank 64] [--slots 4]
+    jlora bench adapter-load [--ranks 8 64] [--max-lora-rank 64] [--slots 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -19,38 +18,21 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors.numpy import save_file
 
 from jlora.adapters.manager import AdapterManager, padded_update, set_slot
 from jlora.adapters.peft import read_adapter
+from jlora.bench.peft_adapters import write_peft_adapter
 from jlora.models.llama import LORA_MODULES
 from jlora.models.loading import read_model_config
 
-PREFIX = {m: ("self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for m in LORA_MODULES}
 
-
-def write_peft_adapter(path: Path, cfg, rank: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for i in range(cfg.num_hidden_layers):
-        for m, (d_in, d_out) in cfg.module_shapes().items():
-            key = f"base_model.model.model.layers.{i}.{PREFIX[m]}.{m}"
-            tensors[f"{key}.lora_A.weight"] = rng.normal(0, 0.02, (rank, d_in)).astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.02, (d_out, rank)).astype(np.float32)
-    path.mkdir(parents=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LORA_MODULES),
-        "bias": "none", "task_type": "CAUSAL_LM"}))
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="jlora bench adapter-load", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cfg = read_model_config()
     manager = AdapterManager(cfg, max_loras=args.slots, max_lora_rank=args.max_lora_rank, max_cpu_loras=8)
     manager.warmup()  # compiles set_slot once
@@ -61,7 +43,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rank in args.ranks:
             path = Path(tmp) / f"r{rank}"
-            write_peft_adapter(path, cfg, rank, seed=rank)
+            write_peft_adapter(path, cfg, rank, LORA_MODULES, np.random.default_rng(rank))
             file_mb = (path / "adapter_model.safetensors").stat().st_size / 1e6
             host, device = [], []
             state = manager.lora_state
@@ -78,7 +60,8 @@ def main() -> None:
             slot_mb = sum(a.nbytes for u in update.values() for a in u.values()) / 1e6
             print(f"| {rank} | {file_mb:.1f} | {statistics.median(host) * 1e3:.0f} | "
                   f"{statistics.median(device) * 1e3:.1f} | {slot_mb:.0f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

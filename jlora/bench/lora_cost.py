@@ -1,13 +1,13 @@
 """The cost of LoRA inside the engine: jlora with 4 mixed adapters against jlora without adapters.
 
-The reference workload of DESIGN.md without the transformers baselines (so it needs no torch and
+The reference workload (docs/benchmarks.md) without the transformers baselines (so it needs no torch and
 runs against any jlora checkout): SmolLM2-135M float32, 16 requests of 16-64 prompt tokens, 64
 new tokens, greedy, EOS ignored, 4 PEFT adapters of ranks 8/16/8/32 on all linear layers,
 round-robin; one engine (max_loras=4, max_lora_rank=32); both systems timed in interleaved
 rounds in one process, median (and best) per system. The number to compare across versions is the ratio
 mixed / base (absolute tok/s move with the machine's load).
 
-    PYTHONPATH=. python benchmarks/bench_lora_cost.py [--rounds 3] [--lora-impl auto]
+    jlora bench lora-cost [--rounds 3] [--lora-impl auto]
 
 `--packages jlora,jlora_old` runs several copies of jlora in one process, rounds interleaved
 (an older checkout copied under another package name, every `jlora` import renamed), so a
@@ -25,38 +25,19 @@ from pathlib import Path
 
 import numpy as np
 
+from jlora.bench.peft_adapters import ALL_LINEAR, write_peft_adapter
+
 RANKS = (8, 16, 8, 32)
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def write_adapters(root: Path, cfg, ranks=RANKS) -> list[Path]:
-    """PEFT directories (peft's key names), one per rank, every linear layer targeted."""
-    from safetensors.numpy import save_file
-
-    shapes = cfg.module_shapes()
-    paths = []
-    for i, r in enumerate(ranks):
-        rng = np.random.default_rng(i)
-        tensors = {}
-        for layer in range(cfg.num_hidden_layers):
-            for m in MODULES:
-                d_in, d_out = shapes[m]
-                parent = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-                key = f"base_model.model.model.layers.{layer}.{parent}.{m}"
-                tensors[f"{key}.lora_A.weight"] = rng.normal(0, 1 / np.sqrt(d_in), (r, d_in)).astype(np.float32)
-                tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.01, (d_out, r)).astype(np.float32)
-        path = root / f"cost{i}-r{r}"
-        path.mkdir(parents=True)
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        (path / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(MODULES), "bias": "none",
-            "task_type": "CAUSAL_LM"}))
-        paths.append(path)
-    return paths
+    """PEFT directories, one per rank, every linear layer targeted (see `peft_adapters`)."""
+    return [write_peft_adapter(root / f"cost{i}-r{r}", cfg, r, ALL_LINEAR, np.random.default_rng(i))
+            for i, r in enumerate(ranks)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="jlora bench lora-cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -67,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import importlib
 
-    from jlora.bench import make_prompts
+    from jlora.bench.workload import make_prompts
 
     root = Path(tempfile.mkdtemp(prefix="jlora-lora-cost-"))
     params, prompts, paths, runs = None, None, None, []  # runs: (package, system, fn)

@@ -4,9 +4,9 @@ The engine's own compiled step (ModelRunner.step, R=16 decode rows, no prefill),
 float32, 4 PEFT adapters of ranks 8/16/8/32 on every linear layer in 4 slots of rank 32 (the
 reference workload's engine), rows round-robin over the adapters at ~48 cached positions. The two
 batches alternate call by call; medians over `--reps` calls each. Less noisy on a shared machine
-than whole `generate` runs (benchmarks/bench_lora_cost.py), which also include prefill.
+than whole `generate` runs (`jlora bench lora-cost`), which also include prefill.
 
-    PYTHONPATH=. python benchmarks/bench_decode_step.py [--reps 40] [--lora-impl auto]
+    jlora bench decode-step [--reps 40] [--lora-impl auto]
 
 `--packages jlora,jlora_old` times several copies of jlora in one process, calls interleaved
 (an older checkout copied under another package name, e.g. `git archive REV jlora` with every
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_lora_cost import RANKS, write_adapters
+from jlora.bench.lora_cost import RANKS, write_adapters
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="jlora bench decode-step", description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--lora-impl", default="auto")

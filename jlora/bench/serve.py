@@ -189,3 +189,7 @@ def main(argv: list[str] | None = None) -> int:
           f"loads into a slot {stats['slot_writes']}, evictions {stats['evictions']}; preemptions "
           f"{llm.engine.num_preemptions}.")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
