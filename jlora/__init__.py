@@ -10,7 +10,7 @@ except _metadata.PackageNotFoundError:  # a source tree that was never installed
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 # Loaded on first use: SamplingParams and LLM pull in JAX, and `jlora --help`, `jlora --version` or
-# `import jlora.defaults` should not pay for it.
+# `import jlora.engine_args` should not pay for it.
 _LAZY = {"LLM": "jlora.llm", "LoRARequest": "jlora.adapters.request", "SamplingParams": "jlora.sampling_params",
          "RequestOutput": "jlora.outputs", "CompletionOutput": "jlora.outputs"}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from jlora.bench import BENCHMARKS
-from jlora.defaults import DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS
+from jlora.engine_args import DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS
 
 
 class CLIError(ValueError):
@@ -81,7 +81,7 @@ def _cli_words(message: str, parser_dests: set[str]) -> str:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(...)` keyword arguments from the parsed engine flags, checked without loading anything."""
-    from jlora.defaults import engine_config
+    from jlora.engine_args import engine_config
 
     kwargs = dict(dtype=args.dtype, quantization=getattr(args, "quantization", "none"),
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from jlora import compile_stats
 from jlora.adapters.request import LoRARequest
-from jlora.defaults import ENGINE_DEFAULTS, engine_config
+from jlora.engine_args import ENGINE_DEFAULTS, engine_config
 from jlora.engine.llm_engine import LLMEngine
 from jlora.models.loading import load_model, resolve_model_path
 from jlora.outputs import RequestOutput

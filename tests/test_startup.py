@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from jlora import compile_stats
-from jlora.defaults import ENGINE_DEFAULTS, LORA_IMPLS, engine_config
+from jlora.engine_args import ENGINE_DEFAULTS, LORA_IMPLS, engine_config
 from jlora.engine.config import EngineConfig
 
 # Two step graphs (decode-only and one prefill chunk bucket) and set_slot: enough to see lazy

@@ -31,7 +31,7 @@ from jlora.bench.docs import DOCS
 from jlora.kernels.dispatch import choose_impl
 from jlora.kernels.gather import lora_delta_gather
 from jlora.kernels.grouped import lora_delta_grouped
-from jlora.kernels.laned import lora_delta_laned
+from jlora.kernels.laned_dense import lora_delta_laned
 from jlora.kernels.pallas import lora_delta_pallas
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"

@@ -12,7 +12,7 @@ from jlora.kernels.common import validate_lora_args
 from jlora.kernels.dispatch import CHOICES, IMPLS, choose_impl, lora_delta
 from jlora.kernels.gather import lora_delta_gather
 from jlora.kernels.grouped import lora_delta_grouped
-from jlora.kernels.laned import lora_delta_laned
+from jlora.kernels.laned_dense import lora_delta_laned
 from jlora.kernels.pallas import lora_delta_pallas
 from jlora.kernels.pallas_gpu import lora_delta_pallas_gpu
 from jlora.kernels.pallas_tpu import lora_delta_pallas_tpu

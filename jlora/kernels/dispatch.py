@@ -10,7 +10,7 @@ import jax
 from jlora.kernels.common import check_choice, validate_lora_args
 from jlora.kernels.gather import lora_delta_gather
 from jlora.kernels.grouped import lora_delta_grouped
-from jlora.kernels.laned import lora_delta_laned
+from jlora.kernels.laned_dense import lora_delta_laned
 from jlora.kernels.pallas import lora_delta_pallas
 
 IMPLS: dict[str, Callable[..., jax.Array]] = {

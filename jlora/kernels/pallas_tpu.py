@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jlora.kernels.common import check_block, pad_axis, round_up, validate_lora_args
-from jlora.kernels.lanes import lane_layout, lane_owner, masked_slots, pack_lanes, tile_usage
+from jlora.kernels.pallas_lanes import lane_layout, lane_owner, masked_slots, pack_lanes, tile_usage
 from jlora.kernels.tiles import tpu_blocks
 
 

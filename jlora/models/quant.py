@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlora.defaults import QUANTIZATIONS
+from jlora.engine_args import QUANTIZATIONS
 from jlora.models.config import FUSED_OF  # every projection's Hugging Face name -> its packed module
 
 QMAX = 127  # symmetric: -127..127 (-128 unused, so negation is exact)

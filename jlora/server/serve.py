@@ -140,7 +140,7 @@ def check_serve_args(args: argparse.Namespace) -> tuple[dict[str, str], socket.s
     a busy port fails now, not after the weights load). Returns the adapters, the bound socket
     and the chat template text. ValueError / FileNotFoundError name the flag."""
     from jlora.adapters.peft import check_adapter_dir
-    from jlora.defaults import engine_config
+    from jlora.engine_args import engine_config
 
     lora_modules = parse_lora_modules(args.lora_modules)
     for flag in ("default_max_tokens", "max_request_bytes"):
@@ -181,7 +181,7 @@ def check_serve_args(args: argparse.Namespace) -> tuple[dict[str, str], socket.s
 
 def engine_flags(flags: dict[str, Any]) -> dict[str, Any]:
     """`engine_config` keyword arguments among the parsed flags, without importing JAX."""
-    from jlora.defaults import ENGINE_DEFAULTS
+    from jlora.engine_args import ENGINE_DEFAULTS
 
     names = set(ENGINE_DEFAULTS) | {"dtype", "max_cpu_loras"}
     out = {}
