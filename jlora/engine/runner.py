@@ -69,7 +69,7 @@ def _prompt_logprobs(model: Llama, hidden: jax.Array, targets: jax.Array) -> dic
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, config: EngineConfig, eos_token_id: int | None = None, kv_dtype: Any = None):
+    def __init__(self, model: Llama, config: EngineConfig, eos_token_id: int | None = None):
         self.cfg = model.cfg
         self.config = config
         self.eos_token_id = eos_token_id  # banned before a row's min_tokens
@@ -79,7 +79,7 @@ class ModelRunner:
         # bf16 is kept as its bits on XLA:CPU (jlora.models.quant): a no-op for weights loaded that way.
         self._weights = [quant.to_storage(w) for w in self._weights]
         self.state = jax.tree.unflatten(self._weights_def, self._weights)
-        self.kv_dtype = kv_dtype or model.dtype
+        self.kv_dtype = model.dtype
         self.cache = init_cache(self.cfg, config.num_kv_blocks, config.block_size, quant.storage_dtype(self.kv_dtype),
                                 zeros=host_zeros)
         self._step = jax.jit(self._step_impl, static_argnames=("lora_impl", "attn_chunk"), donate_argnames=("cache",))

@@ -119,24 +119,6 @@ def lora_linear(
     return with_delta() if enabled is None else jax.lax.cond(enabled, with_delta, lambda: y)
 
 
-class LoRALinear(nnx.Module):
-    """y = x @ W + (per-token slot's) x @ A @ B. W is [in, out]; adapters come per call."""
-
-    def __init__(self, in_features: int, out_features: int, dtype: Any, rngs: nnx.Rngs):
-        init = nnx.initializers.normal(stddev=0.02)
-        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), dtype))
-
-    def __call__(
-        self,
-        x: jax.Array,  # [B, T, in]
-        lora: dict[str, jax.Array] | None,  # {"A": [N, in, R], "B": [N, R, out]} or None
-        slot_ids: jax.Array,  # i32[B*T]
-        lora_impl: str,
-    ) -> jax.Array:  # [B, T, out]
-        bsz, t, d = x.shape
-        return lora_linear(x.reshape(bsz * t, d), self.kernel[...], lora, slot_ids, lora_impl).reshape(bsz, t, -1)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AttnGroup:
@@ -256,11 +238,9 @@ class Llama(nnx.Module):
         logits_index: jax.Array | None = None,  # i32[B]: which token of each row to produce logits for
         block_tables: jax.Array | None = None,  # i32[B, MB]; None = sequence b owns block b
         *,
-        span: int | None = None,  # unused: attention reads up to the furthest position (kept for callers)
         lora_impl: str = "auto",
     ) -> tuple[jax.Array, KVCache]:  # logits f32[B, V] (or [B, T, V] without logits_index), new cache
         """A batch of B sequences with T tokens each (one attention group)."""
-        del span
         bsz, t = tokens.shape
         if block_tables is None:
             block_tables = jnp.arange(bsz, dtype=jnp.int32)[:, None]
