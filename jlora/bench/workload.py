@@ -1,4 +1,8 @@
-"""`jlora bench`: the reference workload of DESIGN.md, side by side with transformers(+peft), in one run.
+"""`jlora bench`: the reference workload, side by side with transformers(+peft), in one run.
+
+The workload: SmolLM2-135M, 16 requests of 16-64 prompt tokens, 64 new tokens, greedy, EOS ignored,
+4 PEFT adapters of ranks 8/16/8/32 assigned round-robin; jlora with the adapters mixed and with none,
+against transformers and transformers+peft on the same machine, with the machine's roofline.
 
 Needs the test extras (torch CPU, transformers, peft): `make bench`. Results go to stdout and,
 with --write, into docs/benchmarks.md and its throughput chart docs/benchmarks.svg.

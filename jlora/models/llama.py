@@ -4,8 +4,8 @@ Every per-layer weight is stacked on a leading layer axis ([L, ...]) and the dec
 `lax.scan` over the layers: a step traces and compiles one layer, not L (compile time and the
 traced program do not grow with depth). q/k/v are one GEMM (`qkv_proj` [L, D, (H+2KVH)*Dh],
 columns q | k | v) and gate/up another (`gate_up_proj` [L, D, 2F], columns gate | up); vLLM calls
-these packed modules (`PACKED_MODULES`). Adapter weights arrive per call as `lora_state` (see
-DESIGN.md): per packed module `{"A": [L, N, in, S*R], "B": [L, N, R, out]}` for its S
+these packed modules (`PACKED_MODULES`). Adapter weights arrive per call as `lora_state` (data,
+not code: one fixed-shape pytree of N slots, so no adapter ever recompiles; docs/engine.md): per packed module `{"A": [L, N, in, S*R], "B": [L, N, R, out]}` for its S
 sub-modules, each sub-module's A side by side (one shrink matmul) and each sub-module's B in its
 own output columns; a sub-module an adapter does not target is zeros. The PEFT scale is folded
 into B. Each token reads its own slot via `slot_ids`; -1 reads none.
