@@ -133,10 +133,16 @@ def test_padding_tokens_never_read_a_slot():
     lora = jax.tree.map(lambda z: jnp.full_like(z, 0.5), lora)
     toks = jnp.array([[5, 6, 7, 0], [5, 6, 7, 0]], jnp.int32)
     pos = jnp.array([[0, 1, 2, -1], [0, 1, 2, -1]], jnp.int32)
-    base, _ = m(toks, pos, init_cache(cfg, 2, 8))
-    mixed, _ = m(toks, pos, init_cache(cfg, 2, 8), lora, jnp.array([-1, 1], jnp.int32))
+    base, base_cache = m(toks, pos, init_cache(cfg, 2, 8))
+    mixed, mixed_cache = m(toks, pos, init_cache(cfg, 2, 8), lora, jnp.array([-1, 1], jnp.int32))
     np.testing.assert_allclose(np.asarray(mixed[0, :3]), np.asarray(base[0, :3]), rtol=1e-5, atol=1e-5)
-    assert not np.allclose(np.asarray(mixed[1, :3]), np.asarray(base[1, :3]))
+    assert not np.allclose(np.asarray(mixed[1, :3]), np.asarray(base[1, :3]))  # the slot is read by real tokens
+    # The padding token of the row with an adapter computes exactly what it computes without one:
+    # its projections read no slot (a slot 0.5 everywhere would move every logit) ...
+    np.testing.assert_allclose(np.asarray(mixed[:, 3]), np.asarray(base[:, 3]), rtol=1e-5, atol=1e-5)
+    # ... and it writes no key or value: position 3 of both caches stays zero.
+    for c in (base_cache, mixed_cache):
+        assert not np.asarray(c["k"])[:, :, 3].any() and not np.asarray(c["v"])[:, :, 3].any()
 
 
 def test_missing_model_and_malformed_config(tmp_path):

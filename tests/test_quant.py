@@ -238,6 +238,7 @@ def test_gguf_q8_0_q4_0_q4_1_quantize_equals_dequantize_then_quantize(tmp_path):
     assert {"Q8_0", "Q4_0", "Q4_1"} <= seen
     deq = {t.name: np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(
         tuple(int(s) for s in reversed(t.shape))) for t in reader.tensors}
+    before = dict(wc.stats)  # counts since import: this test's own are the difference
     for root in (None, tmp_path / "wcache"):  # uncached, and through the weights cache (miss, then hit)
         for _ in range(1 if root is None else 2):
             model, _, _ = load_model(path, quantization="int8", weights_cache=root or False)
@@ -255,7 +256,8 @@ def test_gguf_q8_0_q4_0_q4_1_quantize_equals_dequantize_then_quantize(tmp_path):
                     np.testing.assert_array_equal(np.asarray(w.scale[i]), s)
             q, s = quant.quantize_np(deq["token_embd.weight"])
             np.testing.assert_array_equal(np.asarray(quant.head_rows(model).q), q)
-    assert wc.stats["hits"] >= 1
+    assert {k: wc.stats[k] - before.get(k, 0) for k in ("misses", "hits", "rebuilds")} == \
+        {"misses": 1, "hits": 1, "rebuilds": 0}
     entry = next(p for p in (tmp_path / "wcache").iterdir() if not p.name.startswith(".") and p.name != "hashes")
     meta = json.loads((entry / "meta.json").read_text())
     assert meta["quantization"] == "int8"
