@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from jlora.bench import BENCHMARKS
+from jlora.bench import BENCHMARKS, run as run_benchmark
 from jlora.engine_args import DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS
 
 
@@ -233,9 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from jlora import bench
-
-    return bench.run(args.what, args.rest)
+    return run_benchmark(args.what, args.rest)
 
 
 def _version() -> str:
