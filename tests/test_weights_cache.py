@@ -148,7 +148,7 @@ def test_default_gguf_cached_equals_dequantized(tmp_path):
     """The real Q4_1 GGUF: the cached tensors are the dequantized ones, bit for bit; the tokenizer metadata
     a cache hit reads from the file's head equals what the full reader returns."""
     from jlora.models.loading import _read_tensors, default_model_path, read_gguf
-    from jlora.tokenizer import read_gguf_fields
+    from jlora.formats import read_gguf_fields
 
     path = default_model_path()
     cfg, ref, fields = read_gguf(path)
