@@ -22,6 +22,7 @@ bytes_written, write_errors); nothing is process-global.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import logging
@@ -89,6 +90,27 @@ def file_sha256(path: Path, root: Path | None = None) -> str:
         except OSError:  # a read-only cache still works, it just hashes again
             pass
     return digest
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKind:
+    """One user of the cache: its kind (in every key), its tensors file, its environment variables
+    (`<env>=0` turns it off, `<env>_DIR` puts it somewhere) and its directory's default name."""
+
+    kind: str
+    tensors_file: str
+    env: str
+    dir_name: str
+
+    def enabled(self) -> bool:
+        return env_enabled(self.env)
+
+    def default_dir(self, compilation_cache_dir: str | os.PathLike | None = None) -> Path:
+        return cache_root(self.dir_name, self.env + "_DIR", compilation_cache_dir)
+
+    def open(self, root: str | os.PathLike | None = None) -> ContentCache:
+        """The cache at `root` (default: `default_dir()`); its `stats` count what it did."""
+        return ContentCache(root if root is not None else self.default_dir(), self.kind, self.tensors_file)
 
 
 def content_key(kind: str, *parts: str) -> str:

@@ -24,32 +24,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from jlora.adapters.peft import ADAPTER_CONFIG, BIN_FILE, SAFETENSORS_FILE, LoRAAdapter
-from jlora.content_cache import ContentCache, cache_root, content_key, env_enabled, file_sha256
+from jlora.content_cache import CacheKind, content_key, file_sha256
 from jlora.models.config import LlamaConfig
 
-KIND = "adapter"
-TENSORS_FILE = "adapter.safetensors"
+ADAPTERS = CacheKind(kind="adapter", tensors_file="adapter.safetensors", env="JLORA_ADAPTER_CACHE", dir_name="adapters")
+TENSORS_FILE = ADAPTERS.tensors_file
 STORED_DTYPE = "float32"
-
-
-def cache_enabled() -> bool:
-    return env_enabled("JLORA_ADAPTER_CACHE")
-
-
-def default_cache_dir(compilation_cache_dir: str | os.PathLike | None = None) -> Path:
-    return cache_root("adapters", "JLORA_ADAPTER_CACHE_DIR", compilation_cache_dir)
-
-
-def open_cache(root: str | os.PathLike | None = None) -> ContentCache:
-    """The adapter cache at `root` (default: `default_cache_dir()`); its `stats` count what it did."""
-    return ContentCache(root if root is not None else default_cache_dir(), KIND, TENSORS_FILE)
+cache_enabled = ADAPTERS.enabled
+default_cache_dir = ADAPTERS.default_dir
+open_cache = ADAPTERS.open
 
 
 # ---- keys -------------------------------------------------------------------------------------------
@@ -77,7 +66,7 @@ def peft_dir_digest(path: Path, root: Path | None = None) -> str | None:
 
 
 def entry_key(content: str, model_cfg: LlamaConfig, max_lora_rank: int) -> str:
-    return content_key(KIND, STORED_DTYPE, f"max_lora_rank={max_lora_rank}", f"model={model_fingerprint(model_cfg)}",
+    return content_key(ADAPTERS.kind, STORED_DTYPE, f"max_lora_rank={max_lora_rank}", f"model={model_fingerprint(model_cfg)}",
                        f"content={content}")
 
 

@@ -21,30 +21,19 @@ XLA cache, see `jlora.llm.enable_compilation_cache`), else `~/.cache/jlora/weigh
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from jlora.content_cache import DAMAGED, ContentCache, cache_root, env_enabled
+from jlora.content_cache import DAMAGED, CacheKind, ContentCache
 from jlora.models.config import LlamaConfig
 
-KIND = "weights"
-TENSORS_FILE = "model.safetensors"
-
-
-def cache_enabled() -> bool:
-    return env_enabled("JLORA_WEIGHTS_CACHE")
-
-
-def default_cache_dir(compilation_cache_dir: str | os.PathLike | None = None) -> Path:
-    return cache_root("weights", "JLORA_WEIGHTS_CACHE_DIR", compilation_cache_dir)
-
-
-def open_cache(root: str | os.PathLike | None = None) -> ContentCache:
-    """The weights cache at `root` (default: `default_cache_dir()`); its `stats` count what it did."""
-    return ContentCache(root if root is not None else default_cache_dir(), KIND, TENSORS_FILE)
+WEIGHTS = CacheKind(kind="weights", tensors_file="model.safetensors", env="JLORA_WEIGHTS_CACHE", dir_name="weights")
+TENSORS_FILE = WEIGHTS.tensors_file
+cache_enabled = WEIGHTS.enabled
+default_cache_dir = WEIGHTS.default_dir
+open_cache = WEIGHTS.open
 
 
 def source_files(path: Path) -> list[Path]:
