@@ -34,20 +34,16 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
 
 def weights_cache_dir(compilation_cache_dir: str | os.PathLike | None = None) -> Path:
     """Where converted weights are cached: a `weights` sibling of the compile cache directory."""
-    if compilation_cache_dir is not None and not os.environ.get("JLORA_WEIGHTS_CACHE_DIR"):
-        return Path(compilation_cache_dir).parent / "weights"
     from jlora.models.weights_cache import default_cache_dir
 
-    return default_cache_dir()
+    return default_cache_dir(compilation_cache_dir)
 
 
 def adapter_cache_dir(compilation_cache_dir: str | os.PathLike | None = None) -> Path:
     """Where converted adapters are cached: an `adapters` sibling of the compile cache directory."""
-    if compilation_cache_dir is not None and not os.environ.get("JLORA_ADAPTER_CACHE_DIR"):
-        return Path(compilation_cache_dir).parent / "adapters"
     from jlora.adapters.disk_cache import default_cache_dir
 
-    return default_cache_dir()
+    return default_cache_dir(compilation_cache_dir)
 
 
 class LLM:
@@ -126,17 +122,15 @@ class LLM:
         from jlora.models import weights_cache as wc
         from jlora.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
-        if not wc.cache_enabled():
-            weights_cache = False
-        elif weights_cache is True and compilation_cache_dir is not None:
-            weights_cache = weights_cache_dir(compilation_cache_dir)
-        hits, misses = wc.stats["hits"], wc.stats["misses"]
+        cache = None
+        if weights_cache and wc.cache_enabled():
+            cache = wc.open_cache(weights_cache_dir(compilation_cache_dir) if weights_cache is True else weights_cache)
         t1 = time.perf_counter()
-        self.model, self.model_path, fields = load_model(path, _DTYPES[dtype], weights_cache=weights_cache,
+        self.model, self.model_path, fields = load_model(path, _DTYPES[dtype], weights_cache=cache or False,
                                                            quantization=self.quantization)
         # True: read from the weights cache; False: converted (and cached); None: cache off or not needed.
         self.weights_cache_hit: bool | None = (
-            True if wc.stats["hits"] > hits else False if wc.stats["misses"] > misses else None)
+            None if cache is None else True if cache.stats["hits"] else False if cache.stats["misses"] else None)
         cfg = self.model.cfg
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "

@@ -13,15 +13,14 @@ those with the `tokenizers` library, the way transformers' GGUF integration does
 from __future__ import annotations
 
 import logging
-import mmap
-import struct
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
+
+from jlora.formats import read_gguf_fields
 
 
 class _NoTorchBanner(logging.Filter):
@@ -72,70 +71,10 @@ def bytes_to_unicode() -> dict[int, str]:
 # ---- GGUF -------------------------------------------------------------------------------------
 
 
-# GGUF metadata value types (llama.cpp's gguf_type): fixed-size ones by struct format, then string, array.
-_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_fields(path: str | Path) -> dict[str, Any]:
-    """`{name: value}` for every metadata field of a GGUF file, as `gguf.GGUFReader`'s `contents()`.
-
-    Reads only the metadata at the head of the file: `GGUFReader` parses every tensor header and wraps
-    every array element in a NumPy view, which takes seconds for a vocabulary of 50k tokens.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            magic, version, _, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-            if magic != b"GGUF" or version not in (2, 3):
-                raise ValueError(f"magic {magic!r} version {version}, expected b'GGUF' version 2 or 3 (little-endian)")
-            fields: dict[str, Any] = {}
-            pos = 24
-            for _ in range(n_kv):
-                key, pos = _gguf_string(buf, pos)
-                (kind,) = struct.unpack_from("<I", buf, pos)
-                fields[key], pos = _gguf_value(buf, pos + 4, kind)
-            return fields
-    except (ValueError, struct.error, UnicodeDecodeError, OSError) as e:
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-
-
-def _gguf_string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", buf, pos)
-    end = pos + 8 + n
-    if end > len(buf):
-        raise ValueError(f"a string at byte {pos} runs past the end of the file")
-    return buf[pos + 8:end].decode("utf-8"), end
-
-
-def _gguf_value(buf: mmap.mmap, pos: int, kind: int) -> tuple[Any, int]:
-    if kind == _GGUF_STRING:
-        return _gguf_string(buf, pos)
-    if kind in _GGUF_SCALAR:
-        fmt = _GGUF_SCALAR[kind]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-    if kind != _GGUF_ARRAY:
-        raise ValueError(f"unknown GGUF value type {kind} at byte {pos}")
-    kind, count = struct.unpack_from("<IQ", buf, pos)
-    pos += 12
-    if kind in _GGUF_SCALAR:  # one NumPy read for a numeric array (token types, scores)
-        nbytes = count * struct.calcsize(_GGUF_SCALAR[kind])
-        if pos + nbytes > len(buf):
-            raise ValueError(f"an array at byte {pos} runs past the end of the file")
-        return np.frombuffer(buf[pos:pos + nbytes], dtype=_GGUF_SCALAR[kind]).tolist(), pos + nbytes
-    items = []
-    for _ in range(count):
-        item, pos = _gguf_value(buf, pos, kind)
-        items.append(item)
-    return items, pos
-
-
 def load_gguf_tokenizer(path: str | Path, fields: dict[str, Any] | None = None) -> PreTrainedTokenizerFast:
     """The tokenizer and chat template stored in a GGUF file's metadata.
 
-    `fields` (as returned by `jlora.models.loading.read_gguf`) avoids reading the file again.
+    `fields` (as returned by `jlora.formats.read_gguf_fields`) avoids reading the file again.
     """
     path = Path(path)
     if not path.is_file():

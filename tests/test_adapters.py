@@ -781,7 +781,7 @@ def test_disk_cache_invalidated_by_changed_files(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate", "meta", "delete_tensors", "shape"])
 def test_disk_cache_damaged_entry_is_rebuilt(adapters, tmp_path, damage):
-    from jlora.models.weights_cache import write_safetensors
+    from jlora.formats import write_safetensors
 
     cache = tmp_path / "cache"
     AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache).prepare(_req(1, adapters))

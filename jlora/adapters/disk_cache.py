@@ -1,5 +1,6 @@
 """On-disk cache of converted adapters, so a restart or a second engine does not convert again.
 
+A thin user of `jlora.content_cache.ContentCache` (root, key, verify, rebuild, atomic write, stats).
 An entry holds one `LoRAAdapter` (per module A f32[L, in, r], B f32[L, r, out], scale folded in):
 
     <root>/<key>/adapter.safetensors   '{module}.A' / '{module}.B'
@@ -8,13 +9,10 @@ An entry holds one `LoRAAdapter` (per module A f32[L, in, r], B f32[L, r, out], 
 The key hashes what the converted arrays depend on: the adapter's content (sha256 of its
 adapter_config.json and weights file, or an in-memory request's `content_hash`), max_lora_rank,
 the base model's config, the stored dtype (float32: conversion does not depend on the engine's
-dtype, the cast happens when a slot is written) and FORMAT_VERSION. Edited files therefore miss;
+dtype, the cast happens when a slot is written) and the format version. Edited files therefore miss;
 a copy of the same adapter elsewhere hits. Directories written by `jlora convert` (orbax) are
-already converted and are not cached again.
-
-Writes and damage handling are those of `jlora.models.weights_cache` (whose helpers this uses):
-an entry is written into a temporary directory and renamed into place; one that is damaged
-(truncated, edited, wrong format, wrong shapes) is detected on read and rebuilt. Never pickle.
+already converted and are not cached again. A damaged entry (truncated, edited, wrong format, wrong
+shapes) is detected on read and rebuilt.
 
 Where: `JLORA_ADAPTER_CACHE_DIR`, else an `adapters` sibling of `JLORA_CACHE_DIR` (the persistent
 XLA cache), else `~/.cache/jlora/adapters`. `JLORA_ADAPTER_CACHE=0` (or `LLM(adapter_cache=False)`)
@@ -26,29 +24,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from jlora.adapters.peft import ADAPTER_CONFIG, BIN_FILE, SAFETENSORS_FILE, LoRAAdapter
+from jlora.content_cache import CacheKind, content_key, file_sha256
 from jlora.models.config import LlamaConfig
-from jlora.models.weights_cache import cache_root, env_enabled, file_sha256, read_safetensors_mmap, write_safetensors
 
-FORMAT_VERSION = 1
-TENSORS_FILE = "adapter.safetensors"
-META_FILE = "meta.json"
+ADAPTERS = CacheKind(kind="adapter", tensors_file="adapter.safetensors", env="JLORA_ADAPTER_CACHE", dir_name="adapters")
+TENSORS_FILE = ADAPTERS.tensors_file
 STORED_DTYPE = "float32"
-
-
-def cache_enabled() -> bool:
-    return env_enabled("JLORA_ADAPTER_CACHE")
-
-
-def default_cache_dir() -> Path:
-    return cache_root("adapters", "JLORA_ADAPTER_CACHE_DIR")
+cache_enabled = ADAPTERS.enabled
+default_cache_dir = ADAPTERS.default_dir
+open_cache = ADAPTERS.open
 
 
 # ---- keys -------------------------------------------------------------------------------------------
@@ -76,53 +66,36 @@ def peft_dir_digest(path: Path, root: Path | None = None) -> str | None:
 
 
 def entry_key(content: str, model_cfg: LlamaConfig, max_lora_rank: int) -> str:
-    raw = (f"jlora-adapter-v{FORMAT_VERSION}|{STORED_DTYPE}|max_lora_rank={max_lora_rank}|"
-           f"model={model_fingerprint(model_cfg)}|content={content}")
-    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+    return content_key(ADAPTERS.kind, STORED_DTYPE, f"max_lora_rank={max_lora_rank}", f"model={model_fingerprint(model_cfg)}",
+                       f"content={content}")
 
 
 # ---- entries ----------------------------------------------------------------------------------------
 
 
-def read_entry(entry: Path, key: str, model_cfg: LlamaConfig, max_lora_rank: int, name: str) -> LoRAAdapter:
-    """The adapter stored in `entry`; ValueError (or OSError) if it is damaged or from another format."""
-    meta = json.loads((entry / META_FILE).read_text())
-    if meta.get("format_version") != FORMAT_VERSION or meta.get("key") != key:
-        raise ValueError(f"format_version={meta.get('format_version')!r}, key={meta.get('key')!r}")
-    file = entry / TENSORS_FILE
-    if file.stat().st_size != meta.get("file_size"):
-        raise ValueError(f"{file} has {file.stat().st_size} bytes, meta.json says {meta.get('file_size')}")
-    tensors = read_safetensors_mmap(file)
-    if sorted(tensors) != sorted(meta.get("tensors", [])):
-        raise ValueError("tensor names differ from meta.json")
+def decode(meta: dict[str, Any], tensors: dict[str, np.ndarray], model_cfg: LlamaConfig, max_lora_rank: int,
+           name: str) -> LoRAAdapter:
+    """The adapter an entry's (meta, tensors) hold; ValueError if its arrays do not fit the model."""
     ranks = {str(m): int(r) for m, r in meta["ranks"].items()}
-    # Copies, so the entry can be replaced or deleted while the adapter is in use.
-    weights = {m: (np.array(tensors[f"{m}.A"], np.float32), np.array(tensors[f"{m}.B"], np.float32)) for m in ranks}
     if len(tensors) != 2 * len(ranks):
         raise ValueError("tensors other than the modules' A and B")
+    # Copies, so the entry can be replaced or deleted while the adapter is in use.
+    weights = {m: (np.array(tensors[f"{m}.A"], np.float32), np.array(tensors[f"{m}.B"], np.float32)) for m in ranks}
     adapter = LoRAAdapter(name=name, ranks=ranks, weights=weights, source=str(meta.get("source", "")))
     adapter.validate(model_cfg, max_lora_rank)
     return adapter
 
 
-def write_entry(root: Path, key: str, adapter: LoRAAdapter) -> Path:
-    """Write into a temporary directory, then rename it to `<root>/<key>` (atomic: no half entries)."""
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
-    try:
-        tensors = {}
-        for m, (a, b) in adapter.weights.items():
-            tensors[f"{m}.A"] = np.ascontiguousarray(a, np.float32)
-            tensors[f"{m}.B"] = np.ascontiguousarray(b, np.float32)
-        size = write_safetensors(tmp / TENSORS_FILE, tensors)
-        meta = {"format_version": FORMAT_VERSION, "key": key, "file_size": size, "tensors": sorted(tensors),
-                "ranks": adapter.ranks, "dtype": STORED_DTYPE, "source": adapter.source}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-        try:
-            os.rename(tmp, root / key)
-        except OSError:  # another process finished the same entry first: keep theirs
-            if not (root / key / META_FILE).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root / key
+def read_entry(entry: Path, key: str, model_cfg: LlamaConfig, max_lora_rank: int, name: str) -> LoRAAdapter:
+    """The adapter stored in `entry` (`<root>/<key>`); one of `content_cache.DAMAGED` if it is damaged."""
+    return decode(*open_cache(entry.parent).read(key), model_cfg, max_lora_rank, name)
+
+
+def write_entry(root: Path, key: str, adapter: LoRAAdapter) -> Path | None:
+    """Write `adapter` under `<root>/<key>` atomically; None (logged) when it could not be written."""
+    tensors = {}
+    for m, (a, b) in adapter.weights.items():
+        tensors[f"{m}.A"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"{m}.B"] = np.ascontiguousarray(b, np.float32)
+    info = {"ranks": adapter.ranks, "dtype": STORED_DTYPE, "source": adapter.source}
+    return open_cache(root).put(key, tensors, info)

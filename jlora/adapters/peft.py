@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from jlora.formats import read_safetensors
+
 if TYPE_CHECKING:  # only in annotations: `check_adapter_dir` must not import the model (Flax)
     from jlora.models.config import LlamaConfig
 
@@ -196,36 +198,8 @@ def read_peft_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], Path]:
 
 
 def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
-    try:
-        out: dict[str, np.ndarray] = {}
-        with safe_open(str(file), framework="numpy") as f:  # validates the header and the file size
-            for k in f.keys():
-                dtype = f.get_slice(k).get_dtype()
-                if dtype == "BF16":  # NumPy has no bfloat16: read raw bytes through ml_dtypes
-                    out[k] = _read_raw_tensor(file, k)
-                else:
-                    out[k] = np.asarray(f.get_tensor(k), dtype=np.float32)
-        return out
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # SafetensorError, TypeError on odd dtypes, OSError on a truncated read
-        raise ValueError(f"{file} is not a readable safetensors file (corrupt or truncated?): {e}") from e
-
-
-def _read_raw_tensor(file: Path, key: str) -> np.ndarray:
-    import ml_dtypes
-
-    with open(file, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-        info = header[key]
-        start, end = info["data_offsets"]
-        fh.seek(8 + n + start)
-        buf = fh.read(end - start)
-    arr = np.frombuffer(buf, dtype=ml_dtypes.bfloat16).reshape(info["shape"])
-    return arr.astype(np.float32)
+    """Every tensor as f32 (bfloat16 included); ValueError "... corrupt or truncated?" on a broken file."""
+    return {k: v.astype(np.float32) for k, v in read_safetensors(file).items()}
 
 
 def _read_torch_bin(file: Path) -> dict[str, np.ndarray]:

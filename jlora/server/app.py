@@ -8,6 +8,7 @@ set, the /v1 routes need `Authorization: Bearer <api_key>` (and /metrics too wit
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import itertools
@@ -69,6 +70,9 @@ class OpenAIServer:
         self.shutdown_grace_s = shutdown_grace_s
         self.adapters: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)  # never reused, so a reloaded name is a new version
+        # One load of a name at a time (as vLLM's per-name lock): a second load of a name that is
+        # converting waits, then sees it loaded (400), instead of converting a second version.
+        self._load_locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.created = int(time.time())
         for name, path in (lora_modules or {}).items():  # operator-given: not confined to lora_root
             self._check_name(name)
@@ -145,17 +149,16 @@ class OpenAIServer:
     async def load_adapter(self, body: LoadLoRAAdapterRequest) -> str:
         name = body.lora_name
         self._check_name(name)
-        if name in self.adapters:
-            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-        lr = LoRARequest(name, next(self._lora_ids), str(self.confined_path(body.lora_path)))
-        adapters = self.llm.engine.adapters
-        try:
-            await asyncio.wrap_future(adapters.prepare_async(lr))  # off the engine thread
-        except (ValueError, FileNotFoundError, ImportError, OSError) as e:
-            raise APIError(400, f"could not load adapter {name!r}: {e}", param="lora_path") from e
-        if name in self.adapters:  # a concurrent load of the same name won
-            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-        self.adapters[name] = lr
+        async with self._load_locks[name]:
+            if name in self.adapters:
+                raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+            lr = LoRARequest(name, next(self._lora_ids), str(self.confined_path(body.lora_path)))
+            adapters = self.llm.engine.adapters
+            try:
+                await asyncio.wrap_future(adapters.prepare_async(lr))  # off the engine thread
+            except (ValueError, FileNotFoundError, ImportError, OSError) as e:
+                raise APIError(400, f"could not load adapter {name!r}: {e}", param="lora_path") from e
+            self.adapters[name] = lr
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload_adapter(self, body: UnloadLoRAAdapterRequest) -> str:

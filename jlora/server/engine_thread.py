@@ -143,9 +143,9 @@ class EngineThread:
                     self._deliver(changed)
                     stalled = not changed and eng.stats().running == 0
                 self._update_snapshot()
-            except Exception:  # a bug outside the step's own isolation: end what is running, go on
+            except Exception as e:  # a bug outside the step's own isolation: end what is running, go on
                 log.exception("engine scheduling failed; aborting the running requests")
-                self._finish_all("error")
+                self._finish_all("error", f"the engine step failed: {type(e).__name__}: {e}")
 
     def _run_commands(self, timeout: float | None) -> bool:
         """Run the queued commands; wait up to `timeout` s for the first one (None: don't wait).
@@ -206,13 +206,16 @@ class EngineThread:
                 if sink is not None:
                     self._record(out, sink, status)
 
-    def _finish_all(self, status: str) -> None:
-        """Abort everything still in flight and tell each client (its stream ends with `abort`)."""
+    def _finish_all(self, status: str, error: str | None = None) -> None:
+        """Abort everything still in flight and tell each client: its stream ends with `abort`, or,
+        with an `error`, as a failed request (finish_reason "error"; a whole reply is a 500)."""
         changed = {rid: out for rid in list(self._sinks) if (out := self.engine.abort(rid)) is not None}
-        self._deliver(changed, status)
+        self._deliver(changed, status, error)
 
-    def _deliver(self, changed: dict[str, RequestOutput], abort_status: str = "abort") -> None:
-        """Send each changed request's update to its client; a finished one is popped and recorded."""
+    def _deliver(self, changed: dict[str, RequestOutput], abort_status: str = "abort",
+                 error: str | None = None) -> None:
+        """Send each changed request's update to its client; a finished one is popped and recorded
+        (`error`: what ended the aborted ones, given to their clients as the engine's error)."""
         eng = self.engine
         for rid, out in changed.items():
             sink = self._sinks.get(rid)
@@ -222,6 +225,10 @@ class EngineThread:
             if out.finished:
                 out = eng.pop_finished(rid)
                 del self._sinks[rid]
+                if error is not None and out.error is None:
+                    out.error = error
+                    for o in out.outputs:
+                        o.finish_reason = "error" if o.finish_reason == "abort" else o.finish_reason
                 reason = out.outputs[0].finish_reason or "abort"
                 self._record(out, sink, abort_status if reason == "abort" else reason)
             try:
