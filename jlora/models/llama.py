@@ -151,11 +151,13 @@ def paged_attention(
     cache_v: jax.Array,  # [L, NB, bs, KVH, Dh]
     layer: jax.Array,  # i32 scalar
     chunk: int,  # key positions per loop iteration, a multiple of bs
+    window: jax.Array | None = None,  # i32 scalar: sliding window (query sees keys > pos - window); None = full
 ) -> jax.Array:  # f32[B, Q, H, Dh]
     """Causal grouped-query attention over each sequence's cached keys, chunk by chunk.
 
     The loop runs to the furthest query position in the group (data-dependent trip count, so one
-    graph serves every span) with an online softmax; a fully padded row returns zeros.
+    graph serves every span) with an online softmax; a fully padded row returns zeros. With a
+    sliding window the chunks wholly before every query's window are skipped.
     """
     bsz, nq, h, dh = q.shape
     bs, kvh = cache_k.shape[2], cache_k.shape[3]
@@ -163,6 +165,10 @@ def paged_attention(
     per_chunk = chunk // bs
     qg = q.reshape(bsz, nq, kvh, h // kvh, dh).astype(jnp.float32) / math.sqrt(dh)
     n_chunks = (jnp.max(positions) + chunk) // chunk  # 0 when every query is padding
+    first_chunk = 0
+    if window is not None:  # keys below the lowest query's window are never visible
+        lowest = jnp.min(jnp.where(positions >= 0, positions, jnp.iinfo(jnp.int32).max))
+        first_chunk = jnp.minimum(jnp.maximum(lowest - window + 1, 0) // chunk, n_chunks)
 
     def body(j, carry):
         m, l, acc = carry  # running max, denominator [B, KVH, G, Q]; numerator [B, KVH, G, Q, Dh]
@@ -173,6 +179,8 @@ def paged_attention(
         s = jnp.einsum("bqkgd,bckd->bkgqc", qg, keys, preferred_element_type=jnp.float32)
         key_pos = j * chunk + jnp.arange(chunk)
         visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, Q, C]
+        if window is not None:
+            visible &= key_pos[None, None, :] > positions[:, :, None] - window
         s = jnp.where(visible[:, None, None], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -185,7 +193,7 @@ def paged_attention(
     shape = (bsz, kvh, h // kvh, nq)
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + (dh,), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    _, l, acc = jax.lax.fori_loop(first_chunk, n_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, KVH, G, Q, Dh]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(bsz, nq, h, dh)
 
@@ -200,9 +208,20 @@ class DecoderLayers(nnx.Module):
         self.post_attention_layernorm = nnx.Param(jnp.ones((L, d), dtype))
         for name, (d_in, outs) in cfg.packed_shapes().items():  # qkv_proj, o_proj, gate_up_proj, down_proj
             setattr(self, name, nnx.Param(init(rngs.params(), (L, d_in, sum(outs)), dtype)))
+        # Base-only extras of some families (never part of an adapter); kept in the compute dtype.
+        shapes = cfg.packed_shapes()
+        if cfg.qkv_bias:  # Qwen2: q | k | v biases in qkv_proj's column order
+            self.qkv_bias = nnx.Param(jnp.zeros((L, sum(shapes["qkv_proj"][1])), dtype))
+        if cfg.o_bias:
+            self.o_bias = nnx.Param(jnp.zeros((L, d), dtype))
+        if cfg.qk_norm:  # Qwen3: RMSNorm weights over head_dim, shared by the heads
+            self.q_norm = nnx.Param(jnp.ones((L, cfg.head_dim), dtype))
+            self.k_norm = nnx.Param(jnp.ones((L, cfg.head_dim), dtype))
+        self.extra_names = tuple(n for n, on in (("qkv_bias", cfg.qkv_bias), ("o_bias", cfg.o_bias),
+                                                 ("q_norm", cfg.qk_norm), ("k_norm", cfg.qk_norm)) if on)
 
     def weights(self) -> dict[str, jax.Array | quant.QArray]:  # name -> [L, ...] (int8 ones as QArray)
-        names = ("input_layernorm", "post_attention_layernorm") + FUSED_MODULES
+        names = ("input_layernorm", "post_attention_layernorm") + FUSED_MODULES + self.extra_names
         return {n: quant.weight(self, n) for n in names}
 
 
@@ -254,9 +273,16 @@ class Llama(nnx.Module):
         get = (lambda m: lora.get(m)) if lora is not None else (lambda m: None)  # noqa: E731
         splits = {m: outs if len(outs) > 1 else None for m, (_, outs) in cfg.packed_shapes().items()}
 
+        # Each layer's sliding window (a scanned i32), or None when the model has none at all; a
+        # full-attention layer of a mixed model gets a window past any position.
+        windows = None
+        if cfg.has_sliding_window:
+            windows = jnp.asarray([w or np.iinfo(np.int32).max // 2 for w in cfg.sliding_windows], jnp.int32)
+
         def layer(carry, xs):
             x, ck, cv = carry
             w, i = xs
+            win = None if windows is None else windows[i]
             w = quant.widen(w)  # this layer's bf16 weights, sliced as bits, to f32 on XLA:CPU
 
             def linear(h: jax.Array, name: str) -> jax.Array:
@@ -264,8 +290,13 @@ class Llama(nnx.Module):
                                    splits=splits[name])
 
             y = rms_norm(x, w["input_layernorm"], eps)
-            q, k, v = jnp.split(linear(y, "qkv_proj"), [h * dh, (h + kvh) * dh], axis=-1)  # one GEMM
+            qkv = linear(y, "qkv_proj")
+            if cfg.qkv_bias:
+                qkv = qkv + w["qkv_bias"].astype(qkv.dtype)
+            q, k, v = jnp.split(qkv, [h * dh, (h + kvh) * dh], axis=-1)  # one GEMM
             q, k, v = q.reshape(-1, h, dh), k.reshape(-1, kvh, dh), v.reshape(-1, kvh, dh)
+            if cfg.qk_norm:
+                q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             ck = ck.at[i, block, offset].set(quant.narrow(k, ck), mode="drop")
             cv = cv.at[i, block, offset].set(quant.narrow(v, cv), mode="drop")
@@ -273,10 +304,11 @@ class Llama(nnx.Module):
             for g in groups:
                 b, nq = g.positions.shape
                 qg = q[start: start + b * nq].reshape(b, nq, h, dh)
-                outs.append(paged_attention(qg, g, ck, cv, i, chunk).reshape(b * nq, h * dh))
+                outs.append(paged_attention(qg, g, ck, cv, i, chunk, win).reshape(b * nq, h * dh))
                 start += b * nq
             attn = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-            x = x + linear(attn.astype(x.dtype), "o_proj")
+            o = linear(attn.astype(x.dtype), "o_proj")
+            x = x + (o + w["o_bias"].astype(o.dtype) if cfg.o_bias else o)
             y = rms_norm(x, w["post_attention_layernorm"], eps)
             gate, up = jnp.split(linear(y, "gate_up_proj"), 2, axis=-1)  # one GEMM
             x = x + linear(jax.nn.silu(gate) * up, "down_proj")

@@ -22,7 +22,6 @@ XLA cache, see `jlora.llm.enable_compilation_cache`), else `~/.cache/jlora/weigh
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import json
 import logging
@@ -177,9 +176,7 @@ def read_safetensors_mmap(file: Path) -> dict[str, np.ndarray]:
 
 
 def _config_from_json(raw: dict[str, Any]) -> LlamaConfig:
-    if raw.get("rope_scaling"):
-        raw["rope_scaling"] = tuple(tuple(kv) for kv in raw["rope_scaling"])
-    return LlamaConfig(**raw)
+    return LlamaConfig.from_json_dict(raw)
 
 
 def read_entry(entry: Path, key: str) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
@@ -202,7 +199,7 @@ def write_entry(root: Path, key: str, cfg: LlamaConfig, tensors: dict[str, np.nd
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
         size = write_safetensors(tmp / TENSORS_FILE, tensors)
-        meta = {"format_version": FORMAT_VERSION, "key": key, "config": dataclasses.asdict(cfg),
+        meta = {"format_version": FORMAT_VERSION, "key": key, "config": cfg.to_json_dict(),
                 "file_size": size, "tensors": sorted(tensors), **info}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         try:
