@@ -283,3 +283,14 @@ def test_sharded_checkpoint_and_weights_cache_keep_the_family(tmp_path):
     assert first.cfg == cached.cfg == restored.cfg and first.cfg.sliding_windows == (None, 20)
     for model in (first, cached, restored):
         np.testing.assert_allclose(jlora_logits(model, ids), want, rtol=1e-4, atol=1e-4)
+
+
+def test_qwen2_pre_tokenizer_splits_single_digits(caplog):
+    """llama.cpp's "qwen2" pre type (Qwen2/2.5/3 GGUF files): Llama 3's split with one digit per
+    piece, as Qwen2's tokenizer.json does; no fallback warning."""
+    from jlora.tokenizer import _pre_tokenizer
+
+    pieces = [p for p, _ in _pre_tokenizer("qwen2").pre_tokenize_str("abc 12345 it's")]
+    assert pieces == ["abc", "Ġ", "1", "2", "3", "4", "5", "Ġit", "'s"]
+    assert [p for p, _ in _pre_tokenizer("llama-bpe").pre_tokenize_str("abc 12345")] == ["abc", "Ġ", "123", "45"]
+    assert "unknown tokenizer.ggml.pre" not in caplog.text
