@@ -45,6 +45,10 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral")
+# Qwen2/2.5/3 (llama.cpp's "qwen2" pre type): Llama 3's regex with single digits (\p{N}, not {1,3}),
+# as in Qwen2's own tokenizer.json.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
 # Pre names that use GPT-2's own regex (ByteLevel with use_regex=True); anything else warns.
 _GPT2_PRE = ("gpt2", "default", "smollm", "starcoder", "refact", "codeshell")
 # These split every numeric character off first: llama.cpp's "\p{N}" pass for these names, and the
@@ -170,9 +174,9 @@ def _merge_pairs(merges: list[str], vocab: dict[str, int], path: Path) -> list[t
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    if pre in _LLAMA3_PRE:
+    if pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     if pre not in _GPT2_PRE:

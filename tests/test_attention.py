@@ -80,6 +80,37 @@ def test_paged_attention_matches_reference_across_many_chunks(block_size, attn_c
     assert np.abs(np.asarray(got)[positions >= 0]).sum(-1).min() > 0  # every real query read something
 
 
+@pytest.mark.parametrize("window", [1, 37, 100, 300])
+def test_sliding_window_matches_reference_and_a_numpy_loop(window):
+    """Keys in (p - window, p]: kernel (which skips chunks before every query's window) against
+    the reference, and the reference against the per-query loop restricted to the window."""
+    q, k, v, positions, tables = make_case(16, 7, max_len=640, seed=window)
+    w = jnp.int32(window)
+    got = paged_attention(q, k, v, jnp.int32(0), positions, tables, w, chunk=32)
+    want = paged_attention_reference(q, k, v, jnp.int32(0), positions, tables, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    full = paged_attention_reference(q, k, v, jnp.int32(0), positions, tables)
+    assert np.abs(np.asarray(want) - np.asarray(full)).max() > 1e-3  # the window changes the answer
+    # The per-query loop over keys (p - window, p]: shift each query's keys by masking the older ones out.
+    rows = np.asarray(positions)
+    ref = np.zeros_like(np.asarray(want))
+    for i in range(rows.shape[0]):
+        for j in range(rows.shape[1]):
+            pos = rows[i, j]
+            if pos < 0:
+                continue
+            idx = np.arange(max(0, pos - window + 1), pos + 1)
+            blocks = tables[i, idx // 16]
+            keys, vals = k[0, blocks, idx % 16], v[0, blocks, idx % 16]
+            for h in range(H):
+                s_ = keys[:, h // (H // KVH)] @ q[i, j, h] / np.sqrt(DH)
+                p_ = np.exp(s_ - s_.max())
+                ref[i, j, h] = (p_ / p_.sum()) @ vals[:, h // (H // KVH)]
+    np.testing.assert_allclose(np.asarray(want), ref, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="window must be None or an integer scalar"):
+        paged_attention(q, k, v, jnp.int32(0), positions, tables, jnp.float32(3.0), chunk=32)
+
+
 def test_bf16_bits_cache_reads_as_bf16():
     q, k, v, positions, tables = make_case(16, 3, max_len=384, seed=3)
     kb, vb = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)

@@ -12,6 +12,10 @@ reads key head h // (H // KVH).
   * `paged_attention_reference`: gathers every block of each sequence, masks, softmaxes. Obvious,
     and it reads all MB * bs positions: the thing the kernel is tested against.
 
+`window` (an int scalar, optional) is a sliding window: a query at position p sees the keys at
+positions in (p - window, p] (Mistral, Qwen2's sliding layers); the kernel then skips the chunks
+wholly before every query's window.
+
 A cache of dtype uint16 holds bfloat16 bit patterns (how jlora stores bf16 on XLA:CPU, see
 `jlora.models.quant`); both functions widen the blocks they read to float32. Outputs are float32,
 zeros for a padded query.
@@ -31,7 +35,8 @@ CACHE_DTYPES = FLOAT_DTYPES + (jnp.dtype(jnp.uint16),)  # uint16 = bf16 bits
 
 
 def validate_attention_args(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
-                            positions: jax.Array, block_tables: jax.Array, chunk: int | None = None) -> None:
+                            positions: jax.Array, block_tables: jax.Array, chunk: int | None = None,
+                            window: jax.Array | None = None) -> None:
     """Raise ValueError unless q [B, Q, H, Dh], cache_k/cache_v [L, NB, bs, KVH, Dh], layer int scalar,
     positions int[B, Q], block_tables int[B, MB] (and `chunk` a positive multiple of bs) fit together."""
     for name, arr, want in (("q", q, "[B, Q, H, Dh]"), ("cache_k", cache_k, "[L, NB, bs, KVH, Dh]"),
@@ -67,6 +72,9 @@ def validate_attention_args(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array
     for name, arr in (("positions", positions), ("block_tables", block_tables), ("layer", layer)):
         if not jnp.issubdtype(arr.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array (int32), got {arr.dtype}")
+    if window is not None and (not hasattr(window, "dtype") or jnp.ndim(window) != 0
+                               or not jnp.issubdtype(window.dtype, jnp.integer)):
+        raise ValueError(f"window must be None or an integer scalar array, got {window!r}")
     bs = cache_k.shape[2]
     if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0 or chunk % bs):
         raise ValueError(f"chunk must be a positive multiple of the block size {bs}, got {chunk!r}")
@@ -96,20 +104,26 @@ def paged_attention(
     layer: jax.Array,  # i32 scalar: which layer of the cache
     positions: jax.Array,  # i32[B, Q], -1 = padding
     block_tables: jax.Array,  # i32[B, MB]: the blocks holding each sequence's positions, in order
+    window: jax.Array | None = None,  # i32 scalar sliding window; None = full causal
     *,
     chunk: int,  # key positions per loop iteration, a multiple of bs
 ) -> jax.Array:  # f32[B, Q, H, Dh]
     """Causal grouped-query attention over each sequence's cached keys, `chunk` positions at a time.
 
     The loop runs to the furthest query position in the call (data-dependent trip count, so one
-    graph serves every span) with an online softmax; a fully padded row returns zeros.
+    graph serves every span) with an online softmax; a fully padded row returns zeros. With a
+    window it starts at the first chunk any query can see.
     """
-    validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk)
+    validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window)
     bsz, nq, h, dh = q.shape
     bs, kvh = cache_k.shape[2], cache_k.shape[3]
     per_chunk = chunk // bs
     qg = _grouped_queries(q, kvh)
     n_chunks = (jnp.max(positions) + chunk) // chunk  # 0 when every query is padding
+    first_chunk = 0
+    if window is not None:  # keys below the lowest query's window are never visible
+        lowest = jnp.min(jnp.where(positions >= 0, positions, jnp.iinfo(jnp.int32).max))
+        first_chunk = jnp.minimum(jnp.maximum(lowest - window + 1, 0) // chunk, n_chunks)
 
     def body(j, carry):
         m, l, acc = carry  # running max, denominator [B, KVH, G, Q]; numerator [B, KVH, G, Q, Dh]
@@ -120,6 +134,8 @@ def paged_attention(
         s = jnp.einsum("bqkgd,bckd->bkgqc", qg, keys, preferred_element_type=jnp.float32)
         key_pos = j * chunk + jnp.arange(chunk)
         visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, Q, C]
+        if window is not None:
+            visible &= key_pos[None, None, :] > positions[:, :, None] - window
         s = jnp.where(visible[:, None, None], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -132,7 +148,7 @@ def paged_attention(
     shape = (bsz, kvh, h // kvh, nq)
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + (dh,), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    _, l, acc = jax.lax.fori_loop(first_chunk, n_chunks, body, init)
     return _heads_out(acc / jnp.where(l > 0, l, 1.0)[..., None])
 
 
@@ -144,16 +160,20 @@ def paged_attention_reference(
     layer: jax.Array,  # i32 scalar
     positions: jax.Array,  # i32[B, Q], -1 = padding
     block_tables: jax.Array,  # i32[B, MB]
+    window: jax.Array | None = None,  # i32 scalar sliding window; None = full causal
 ) -> jax.Array:  # f32[B, Q, H, Dh]
     """`paged_attention` the obvious way: gather all MB blocks of each sequence, mask, softmax."""
-    validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables)
+    validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, window=window)
     bsz, nq, h, dh = q.shape
     bs, kvh = cache_k.shape[2], cache_k.shape[3]
     span = block_tables.shape[1] * bs
     keys = _widen(cache_k[layer][block_tables]).reshape(bsz, span, kvh, dh)  # [B, S, KVH, Dh]
     values = _widen(cache_v[layer][block_tables]).reshape(bsz, span, kvh, dh)
     s = jnp.einsum("bqkgd,bskd->bkgqs", _grouped_queries(q, kvh), keys)
-    visible = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, Q, S]; a padded row sees nothing
+    key_pos = jnp.arange(span)[None, None, :]
+    visible = key_pos <= positions[:, :, None]  # [B, Q, S]; a padded row sees nothing
+    if window is not None:
+        visible &= key_pos > positions[:, :, None] - window
     p = jax.nn.softmax(jnp.where(visible[:, None, None], s, -jnp.inf), axis=-1)
     p = jnp.where(visible[:, None, None], p, 0.0)  # a row that sees nothing is NaN above: zeros here
     return _heads_out(jnp.einsum("bkgqs,bskd->bkgqd", p, values))

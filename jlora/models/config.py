@@ -1,4 +1,9 @@
-"""LlamaConfig: the static (hashable) description of a Llama-family model."""
+"""LlamaConfig: the static (hashable) description of a Llama-family model.
+
+One config covers the families whose decoder block is Llama's up to a few switches: Llama 2/3.x
+(rope scaling), Mistral (sliding window), Qwen2/2.5 (q/k/v biases) and Qwen3 (per-head q/k
+RMSNorm, explicit head_dim). Anything else is refused by name before a weight is read.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,10 @@ PACKED_MODULES: dict[str, tuple[str, ...]] = {
 }
 FUSED_OF = {sub: fused for fused, subs in PACKED_MODULES.items() for sub in subs}  # sub-module -> fused name
 
+# Hugging Face `model_type` / GGUF `general.architecture` values this decoder serves.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # llama.cpp writes Mistral as "llama"
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -36,8 +45,20 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
+    model_type: str = "llama"
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2/2.5 always; Llama/Qwen3 with attention_bias)
+    o_bias: bool = False  # bias on o_proj (Llama/Qwen3 attention_bias; Qwen2 has none)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    # Sliding-window attention: each layer's window in positions (a query sees the keys with
+    # position > its own - window), None for a full-attention layer; None overall = no window.
+    sliding_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type={self.model_type!r} is not supported; supported: {list(MODEL_TYPES)}")
+        if self.sliding_windows is not None and len(self.sliding_windows) != self.num_hidden_layers:
+            raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for "
+                             f"{self.num_hidden_layers} layers")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -46,6 +67,10 @@ class LlamaConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return self.sliding_windows is not None and any(w is not None for w in self.sliding_windows)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -88,6 +113,12 @@ class LlamaConfig:
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        model_type = cfg.get("model_type") or "llama"
+        check_model_type(model_type, "config.json model_type")
+        if cfg.get("mlp_bias"):
+            raise ValueError("config.json mlp_bias=true: biases on the MLP projections are not supported")
+        attention_bias = bool(cfg.get("attention_bias", False))
+        layers = int(cfg["num_hidden_layers"])
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -103,6 +134,11 @@ class LlamaConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
+            model_type=model_type,
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias and model_type != "qwen2",
+            qk_norm=model_type == "qwen3",
+            sliding_windows=_hf_sliding_windows(cfg, model_type, layers),
         )
 
     @classmethod
@@ -116,21 +152,26 @@ class LlamaConfig:
             raise ValueError(f"malformed config.json at {path}: {e}") from e
         if not isinstance(cfg, dict):
             raise ValueError(f"malformed config.json at {path}: expected a JSON object")
-        arch = cfg.get("model_type")
-        if arch not in (None, "llama", "mistral", "qwen2"):  # same block shape; qwen2 needs biases (unsupported)
-            raise ValueError(f"config.json at {path}: model_type={arch!r} is not a Llama-family model")
-        if arch == "qwen2":
-            raise ValueError(f"config.json at {path}: model_type='qwen2' needs q/k/v biases, which jlora does not support")
-        return cls.from_hf_dict(cfg)
+        try:
+            return cls.from_hf_dict(cfg)
+        except ValueError as e:
+            raise ValueError(f"config.json at {path}: {e}") from None
 
     @classmethod
-    def from_gguf_fields(cls, fields: dict[str, Any], vocab_size: int, tied: bool) -> "LlamaConfig":
+    def from_gguf_fields(cls, fields: dict[str, Any], vocab_size: int, tied: bool, qkv_bias: bool = False,
+                         o_bias: bool = False, qk_norm: bool = False) -> "LlamaConfig":
+        """From GGUF metadata; the switches llama.cpp does not write as fields (biases, q/k norms)
+        come from which tensors the file holds."""
         arch = fields.get("general.architecture", "llama")
-        if arch != "llama":
-            raise ValueError(f"GGUF general.architecture={arch!r}: only 'llama' is supported")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"GGUF general.architecture={arch!r} is not supported; supported: "
+                             f"{list(GGUF_ARCHITECTURES)}")
         p = f"{arch}."
         heads = int(fields[p + "attention.head_count"])
         hidden = int(fields[p + "embedding_length"])
+        head_dim = fields.get(p + "attention.key_length") or fields.get(p + "rope.dimension_count")
+        window = fields.get(p + "attention.sliding_window")
+        layers = int(fields[p + "block_count"])
         scaling = None
         if fields.get(p + "rope.scaling.type") == "llama3":  # rarely present; llama.cpp bakes rope_freqs instead
             scaling = _normalize_rope_scaling({
@@ -142,10 +183,10 @@ class LlamaConfig:
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=int(fields[p + "feed_forward_length"]),
-            num_hidden_layers=int(fields[p + "block_count"]),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(fields.get(p + "attention.head_count_kv", heads)),
-            head_dim=int(fields.get(p + "rope.dimension_count", hidden // heads)),
+            head_dim=int(head_dim or hidden // heads),
             rms_norm_eps=float(fields.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(fields.get(p + "rope.freq_base", 10000.0)),
             rope_scaling=scaling,
@@ -153,13 +194,59 @@ class LlamaConfig:
             tie_word_embeddings=tied,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+            model_type=arch,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=qk_norm,
+            sliding_windows=(int(window),) * layers if window else None,
         )
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json_dict(cls, raw: dict[str, Any]) -> "LlamaConfig":
+        """The inverse of `to_json_dict` after a JSON round trip (lists back to hashable tuples)."""
+        raw = dict(raw)
+        if raw.get("rope_scaling"):
+            raw["rope_scaling"] = tuple(tuple(kv) for kv in raw["rope_scaling"])
+        if raw.get("sliding_windows") is not None:
+            raw["sliding_windows"] = tuple(raw["sliding_windows"])
+        return cls(**raw)
 
     @classmethod
     def preset(cls, name: str) -> "LlamaConfig":
         if name not in PRESETS:
             raise ValueError(f"unknown LlamaConfig preset {name!r}; known: {sorted(PRESETS)}")
         return PRESETS[name]
+
+
+def check_model_type(model_type: Any, field: str) -> None:
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{field}={model_type!r} is not supported; supported: {list(MODEL_TYPES)}")
+
+
+def _hf_sliding_windows(cfg: dict[str, Any], model_type: str, layers: int) -> tuple[int | None, ...] | None:
+    """Per-layer sliding windows as transformers applies them (None = full attention)."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    types = cfg.get("layer_types")
+    if types is not None:  # transformers >= 4.53 spells every layer out
+        if len(types) != layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+        bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ValueError(f"layer_types {bad} are not supported (only full_attention, sliding_attention)")
+        out = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    elif model_type in ("qwen2", "qwen3"):  # older configs: use_sliding_window from max_window_layers on
+        if not cfg.get("use_sliding_window", False):
+            return None
+        first = int(cfg.get("max_window_layers", layers))
+        out = tuple(int(window) if i >= first else None for i in range(layers))
+    else:  # Mistral: every layer
+        out = (int(window),) * layers
+    return out if any(w is not None for w in out) else None
 
 
 def _normalize_rope_scaling(scaling: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:

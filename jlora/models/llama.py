@@ -138,9 +138,20 @@ class DecoderLayers(nnx.Module):
         self.post_attention_layernorm = nnx.Param(jnp.ones((L, d), dtype))
         for name, (d_in, outs) in cfg.packed_shapes().items():  # qkv_proj, o_proj, gate_up_proj, down_proj
             setattr(self, name, nnx.Param(init(rngs.params(), (L, d_in, sum(outs)), dtype)))
+        # Base-only extras of some families (never part of an adapter); kept in the compute dtype.
+        shapes = cfg.packed_shapes()
+        if cfg.qkv_bias:  # Qwen2: q | k | v biases in qkv_proj's column order
+            self.qkv_bias = nnx.Param(jnp.zeros((L, sum(shapes["qkv_proj"][1])), dtype))
+        if cfg.o_bias:
+            self.o_bias = nnx.Param(jnp.zeros((L, d), dtype))
+        if cfg.qk_norm:  # Qwen3: RMSNorm weights over head_dim, shared by the heads
+            self.q_norm = nnx.Param(jnp.ones((L, cfg.head_dim), dtype))
+            self.k_norm = nnx.Param(jnp.ones((L, cfg.head_dim), dtype))
+        self.extra_names = tuple(n for n, on in (("qkv_bias", cfg.qkv_bias), ("o_bias", cfg.o_bias),
+                                                 ("q_norm", cfg.qk_norm), ("k_norm", cfg.qk_norm)) if on)
 
     def weights(self) -> dict[str, jax.Array | quant.QArray]:  # name -> [L, ...] (int8 ones as QArray)
-        names = ("input_layernorm", "post_attention_layernorm") + FUSED_MODULES
+        names = ("input_layernorm", "post_attention_layernorm") + FUSED_MODULES + self.extra_names
         return {n: quant.weight(self, n) for n in names}
 
 
@@ -192,9 +203,16 @@ class Llama(nnx.Module):
         get = (lambda m: lora.get(m)) if lora is not None else (lambda m: None)  # noqa: E731
         splits = {m: outs if len(outs) > 1 else None for m, (_, outs) in cfg.packed_shapes().items()}
 
+        # Each layer's sliding window (a scanned i32), or None when the model has none at all; a
+        # full-attention layer of a mixed model gets a window past any position.
+        windows = None
+        if cfg.has_sliding_window:
+            windows = jnp.asarray([w or np.iinfo(np.int32).max // 2 for w in cfg.sliding_windows], jnp.int32)
+
         def layer(carry, xs):
             x, ck, cv = carry
             w, i = xs
+            win = None if windows is None else windows[i]
             w = quant.widen(w)  # this layer's bf16 weights, sliced as bits, to f32 on XLA:CPU
 
             def linear(h: jax.Array, name: str) -> jax.Array:
@@ -202,8 +220,13 @@ class Llama(nnx.Module):
                                    splits=splits[name])
 
             y = rms_norm(x, w["input_layernorm"], eps)
-            q, k, v = jnp.split(linear(y, "qkv_proj"), [h * dh, (h + kvh) * dh], axis=-1)  # one GEMM
+            qkv = linear(y, "qkv_proj")
+            if cfg.qkv_bias:
+                qkv = qkv + w["qkv_bias"].astype(qkv.dtype)
+            q, k, v = jnp.split(qkv, [h * dh, (h + kvh) * dh], axis=-1)  # one GEMM
             q, k, v = q.reshape(-1, h, dh), k.reshape(-1, kvh, dh), v.reshape(-1, kvh, dh)
+            if cfg.qk_norm:
+                q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             ck = ck.at[i, block, offset].set(quant.narrow(k, ck), mode="drop")
             cv = cv.at[i, block, offset].set(quant.narrow(v, cv), mode="drop")
@@ -211,10 +234,12 @@ class Llama(nnx.Module):
             for g in groups:
                 b, nq = g.positions.shape
                 qg = q[start: start + b * nq].reshape(b, nq, h, dh)
-                outs.append(paged_attention(qg, ck, cv, i, g.positions, g.block_tables, chunk=chunk).reshape(b * nq, h * dh))
+                outs.append(paged_attention(qg, ck, cv, i, g.positions, g.block_tables, win,
+                                            chunk=chunk).reshape(b * nq, h * dh))
                 start += b * nq
             attn = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-            x = x + linear(attn.astype(x.dtype), "o_proj")
+            o = linear(attn.astype(x.dtype), "o_proj")
+            x = x + (o + w["o_bias"].astype(o.dtype) if cfg.o_bias else o)
             y = rms_norm(x, w["post_attention_layernorm"], eps)
             gate, up = jnp.split(linear(y, "gate_up_proj"), 2, axis=-1)  # one GEMM
             x = x + linear(jax.nn.silu(gate) * up, "down_proj")

@@ -87,29 +87,44 @@ _GGUF_TO_HF = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3
 }
 
 
 def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dict[str, Any]]:
     path = Path(path)
+    fields, infos = read_gguf_header(path)
+    if "token_embd.weight" not in infos:
+        raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor")
+    # The config (and so an unsupported architecture) is checked before any tensor is dequantized.
+    cfg = _gguf_config(fields, infos["token_embd.weight"].shape[0], set(infos))
     fields, raw = read_gguf_tensors(path)
-    vocab = raw["token_embd.weight"].shape[0]
-    cfg = LlamaConfig.from_gguf_fields(fields, vocab_size=vocab, tied="output.weight" not in raw)
     tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": raw.pop("token_embd.weight"),
                                       "model.norm.weight": raw.pop("output_norm.weight")}
     if "output.weight" in raw:
         tensors["lm_head.weight"] = raw.pop("output.weight")
     raw.pop("rope_freqs.weight", None)  # llama.cpp's baked Llama 3 factors; we recompute from config
+    # llama.cpp permutes Q/K rows (weights and biases) for its "llama" rotary layout only; qwen2
+    # and qwen3 are written in HF's order (their rope is NeoX-style there).
+    permuted = cfg.model_type == "llama"
     for name, arr in raw.items():
         parts = name.split(".")
-        if parts[0] != "blk" or parts[2] not in _GGUF_TO_HF:
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_TO_HF or parts[3] not in ("weight", "bias"):
             raise ValueError(f"unexpected GGUF tensor {name!r} in {path}")
-        if parts[2] == "attn_q":
+        if permuted and parts[2] == "attn_q":
             arr = reverse_gguf_permute(arr, cfg.num_attention_heads)
-        elif parts[2] == "attn_k":
+        elif permuted and parts[2] == "attn_k":
             arr = reverse_gguf_permute(arr, cfg.num_key_value_heads)
-        tensors[f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.weight"] = arr
+        tensors[f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.{parts[3]}"] = arr
     return cfg, tensors, fields
+
+
+def _gguf_config(fields: dict[str, Any], vocab: int, names: set[str]) -> LlamaConfig:
+    """The config from GGUF metadata plus what only the tensor names tell (biases, q/k norms)."""
+    return LlamaConfig.from_gguf_fields(
+        fields, vocab_size=vocab, tied="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names)
 
 
 # ---- HF-named tensors -> NNX model -------------------------------------------------------------
@@ -148,6 +163,14 @@ def hf_name_table(cfg: LlamaConfig) -> dict[str, Entry]:
             table[p + f"{parent}.{sub}.weight"] = (("layers", fused), i, True, cols)
         table[p + "input_layernorm.weight"] = (("layers", "input_layernorm"), i, False, None)
         table[p + "post_attention_layernorm.weight"] = (("layers", "post_attention_layernorm"), i, False, None)
+        if cfg.qkv_bias:  # base-only biases, in qkv_proj's column order
+            for sub in PACKED_MODULES["qkv_proj"]:
+                table[p + f"self_attn.{sub}.bias"] = (("layers", "qkv_bias"), i, False, columns[sub][1])
+        if cfg.o_bias:
+            table[p + "self_attn.o_proj.bias"] = (("layers", "o_bias"), i, False, None)
+        if cfg.qk_norm:
+            table[p + "self_attn.q_norm.weight"] = (("layers", "q_norm"), i, False, None)
+            table[p + "self_attn.k_norm.weight"] = (("layers", "k_norm"), i, False, None)
     return table
 
 
@@ -255,13 +278,11 @@ def _read_tensors(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
 
 def save_model(model: Llama, path: str | Path) -> None:
     """Converted weights as an orbax checkpoint plus the config, for fast reloads."""
-    import dataclasses
-
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
-    (path / "jlora_model.json").write_text(json.dumps(dataclasses.asdict(model.cfg)))
+    (path / "jlora_model.json").write_text(json.dumps(model.cfg.to_json_dict()))
     state = nnx.state(model, nnx.Param)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path / "params", state, force=True)
@@ -288,12 +309,8 @@ def read_model_config(model: str | Path | None = None) -> LlamaConfig:
     if path.is_file():
         fields, infos = read_gguf_header(path)
         if "token_embd.weight" not in infos:
-            raise ValueError(f"{path}: no token_embd.weight tensor; not a Llama GGUF file")
-        vocab = infos["token_embd.weight"].shape[0]
-        return LlamaConfig.from_gguf_fields(fields, vocab_size=vocab, tied="output.weight" not in infos)
+            raise ValueError(f"{path}: no token_embd.weight tensor; not a Llama-family GGUF file")
+        return _gguf_config(fields, infos["token_embd.weight"].shape[0], set(infos))
     if (path / "jlora_model.json").is_file():
-        raw = json.loads((path / "jlora_model.json").read_text())
-        if raw.get("rope_scaling"):
-            raw["rope_scaling"] = tuple(tuple(kv) for kv in raw["rope_scaling"])
-        return LlamaConfig(**raw)
+        return LlamaConfig.from_json_dict(json.loads((path / "jlora_model.json").read_text()))
     return LlamaConfig.from_json_file(path / "config.json")

@@ -20,7 +20,6 @@ XLA cache, see `jlora.llm.enable_compilation_cache`), else `~/.cache/jlora/weigh
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,10 +49,7 @@ def entry_key(cache: ContentCache, sources: list[Path], dtype_name: str) -> str:
 
 
 def _decode(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    raw = dict(meta["config"])
-    if raw.get("rope_scaling"):
-        raw["rope_scaling"] = tuple(tuple(kv) for kv in raw["rope_scaling"])
-    return LlamaConfig(**raw), tensors
+    return LlamaConfig.from_json_dict(meta["config"]), tensors
 
 
 def cached_read(
@@ -83,7 +79,7 @@ def cached_read(
         return *got, True
     cfg, tensors = read(path)
     tensors = quant.prepare_tensors(tensors, cfg.tie_word_embeddings, np_dtype, quantization)
-    info = {"config": dataclasses.asdict(cfg), "dtype": dtype_name, "quantization": "int8" if quantized else "none",
+    info = {"config": cfg.to_json_dict(), "dtype": dtype_name, "quantization": "int8" if quantized else "none",
             "sources": [{"path": str(f.resolve()), "size": f.stat().st_size} for f in sources]}
     if cache.put(key, tensors, info) is not None:  # else (disk full, read-only) serve from memory, uncached
         try:
