@@ -214,3 +214,56 @@ def test_export_refuses_what_it_would_drop(tiny, tmp_path):
         init_lora_params(cfg, ADAPTER, jax.random.key(0), rank=2)
     with pytest.raises(ValueError, match="use_dora"):
         init_lora_params(cfg, {**ADAPTER, "use_dora": True}, jax.random.key(0))
+
+
+# ---- serving what was trained --------------------------------------------------------------------------------
+
+
+def test_train_step_then_update_adapter_serves_it_without_compiling(tiny_dir, tmp_path):
+    """Through LLM on the tiny engine model: a train step, `update_adapter`, and the served
+    output changes to exactly what the new weights give (the same weights from a PEFT directory
+    give the same tokens); a request already running keeps the version it started with; no
+    XLA compile after warm-up; nothing is written to the adapter disk cache."""
+    from jlora import LLM, SamplingParams, compile_stats
+
+    cache = tmp_path / "adapter-cache"
+    llm = LLM(str(tiny_dir[0]), progress=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+              max_loras=2, max_lora_rank=8, token_buckets=(32,), adapter_cache=cache)
+    cfg = llm.model.cfg
+    config = dict(r=8, lora_alpha=16, target_modules="all-linear")
+    prompt = "The quick brown fox"
+    ids = np.asarray([llm.tokenizer.encode(prompt + " jumps over the lazy dog again and again")], np.int32)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    params = init_lora_params(cfg, config, jax.random.key(0))
+    opt = optax.adam(5e-2)
+    state = opt.init(params)
+
+    def train_step(params, state):
+        g = jax.grad(lambda p: ce_loss(llm.model.train_logits(jnp.asarray(ids), p), ids))(params)
+        upd, state = opt.update(g, state)
+        return optax.apply_updates(params, upd), state
+
+    base = llm.generate([prompt], sp)[0].outputs[0].text
+    v1 = llm.update_adapter("trained", params, config, 5)  # B = 0: the base model's answer
+    assert llm.generate([prompt], sp, lora_request=v1)[0].outputs[0].text == base
+    for _ in range(3):
+        params, state = train_step(params, state)
+    v2_params = params
+
+    compiles = compile_stats.compile_count()
+    stream = llm.generate_stream(prompt, sp, lora_request=v1)
+    first = [next(stream), next(stream)]  # v1 is running ...
+    v2 = llm.update_adapter("trained", v2_params, config, 5)  # ... when v2 arrives
+    assert "".join(first + list(stream)) == base  # it finished on the weights it started with
+    served = llm.generate([prompt], sp, lora_request=v2)[0].outputs[0].text
+    assert served != base
+    exported = save_peft(v2_params, config, tmp_path / "v2", cfg)
+    from jlora import LoRARequest
+
+    from_dir = llm.generate([prompt], sp, lora_request=LoRARequest("from-dir", 6, str(exported)))
+    assert from_dir[0].outputs[0].text == served
+    assert compile_stats.compile_count() == compiles
+    assert v1.content_hash != v2.content_hash and v1.lora_name == v2.lora_name
+    # Only the PEFT directory's conversion reached the disk cache; the updates did not.
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
