@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Iterator, Sequence as Seq
+from typing import Any, Iterator, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -259,6 +259,21 @@ class LLM:
         return self.generate(prompts, sampling_params, lora_request, use_tqdm)
 
     # ---- introspection -----------------------------------------------------------------------------
+
+    def update_adapter(self, name: str, params: Any, config: Any, lora_int_id: int, *,
+                       adapter: int = 0) -> LoRARequest:
+        """Serve trained weights under `name`, from memory: `params` is a training pytree in the
+        served layout (`jlora.adapters.training`, `Llama.train_logits`), `config` its PEFT LoRA
+        config. The new version is converted now (nothing is written to disk) and a request using
+        the returned LoRARequest only writes its slot: the graphs are the slots' own, so nothing
+        recompiles. Requests already running keep the version they started with; older versions
+        of `name` leave the host cache."""
+        from jlora.adapters.training import peft_tensors
+
+        req = LoRARequest(name, lora_int_id, tensors=peft_tensors(params, self.model.cfg, config, adapter),
+                          config=config, disk_cache=False)
+        self.engine.adapters.prepare(req)
+        return req
 
     def memory_report(self, print_table: bool = False) -> dict[str, dict[str, object]]:
         """Device bytes of the weights, the KV cache and the LoRA slots, with how each is stored.

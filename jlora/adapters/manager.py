@@ -607,7 +607,7 @@ class AdapterManager:
 
     def _disk_key(self, req: LoRARequest) -> str | None:
         """The disk cache key of `req`'s adapter, or None where the disk cache does not apply."""
-        if self.disk_cache_dir is None:
+        if self.disk_cache_dir is None or not req.disk_cache:
             return None
         if req.in_memory:
             content = f"memory:{req.content_hash}"

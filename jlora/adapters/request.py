@@ -36,6 +36,9 @@ class LoRARequest:
         default=None, kw_only=True, compare=False, hash=False, repr=False)
     config: Mapping[str, Any] | None = dataclasses.field(
         default=None, kw_only=True, compare=False, hash=False, repr=False)
+    # False keeps this adapter out of the disk cache of converted adapters (`LLM.update_adapter`:
+    # a training loop's versions are served once each and must not pile up on disk).
+    disk_cache: bool = dataclasses.field(default=True, kw_only=True, compare=False)
     content_hash: str | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self) -> None:

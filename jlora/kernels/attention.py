@@ -177,3 +177,24 @@ def paged_attention_reference(
     p = jax.nn.softmax(jnp.where(visible[:, None, None], s, -jnp.inf), axis=-1)
     p = jnp.where(visible[:, None, None], p, 0.0)  # a row that sees nothing is NaN above: zeros here
     return _heads_out(jnp.einsum("bkgqs,bskd->bkgqd", p, values))
+
+
+def causal_attention(
+    q: jax.Array,  # [B, T, H, Dh]
+    k: jax.Array,  # [B, T, KVH, Dh]
+    v: jax.Array,  # [B, T, KVH, Dh]
+    window: jax.Array | None = None,  # i32 scalar sliding window; None = full
+) -> jax.Array:  # f32[B, T, H, Dh]
+    """Dense causal grouped-query attention within each row (the training forward's; the
+    serving step reads the paged cache instead)."""
+    bsz, t, h, dh = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(bsz, t, kvh, h // kvh, dh).astype(jnp.float32) / math.sqrt(dh)
+    s = jnp.einsum("bqkgd,bckd->bkgqc", qg, k.astype(jnp.float32))
+    pos = jnp.arange(t)
+    visible = pos[None, :] <= pos[:, None]  # [Q, C]
+    if window is not None:
+        visible &= pos[None, :] > pos[:, None] - window
+    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+    out = jnp.einsum("bkgqc,bckd->bqkgd", p, v.astype(jnp.float32))
+    return out.reshape(bsz, t, h, dh)

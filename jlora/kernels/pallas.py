@@ -4,6 +4,11 @@
 (pallas_gpu.py). By default the target follows `jax.default_backend()`; on CPU the TPU kernel
 runs in interpret mode (slow: for tests, not for speed).
 
+The kernels carry a `jax.custom_vjp` (Pallas calls have no autodiff rule): the input gradient
+is itself a LoRA product through the transposed adapter (dy @ B^T @ A^T), so it runs the same
+kernel; the weight gradients are per-slot sums of outer products, a masked einsum in XLA (as
+`laned` computes its forward).
+
 A packed module (`splits`) runs as one kernel call per sub-module on its own lanes of `a` and
 output columns of `b`: correct, but without the shared shrink the XLA implementations get
 (the kernels' lane packing would need a block-diagonal expand; not measured on hardware yet).
@@ -44,9 +49,35 @@ def lora_delta_pallas(
     check_choice("target", target, TARGETS)
     kernel = lora_delta_pallas_tpu if target == "tpu" else lora_delta_pallas_gpu
     if splits is None:
-        return kernel(x, a, b, slot_ids, interpret=interpret)
+        return _differentiable(kernel, interpret, x, a, b, slot_ids)
     r, outs, start = b.shape[1], [], 0
     for s, w in enumerate(splits):
-        outs.append(kernel(x, a[:, :, s * r:(s + 1) * r], b[:, :, start:start + w], slot_ids, interpret=interpret))
+        outs.append(_differentiable(kernel, interpret, x, a[:, :, s * r:(s + 1) * r], b[:, :, start:start + w],
+                                    slot_ids))
         start += w
     return jnp.concatenate(outs, axis=-1)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _differentiable(kernel, interpret, x, a, b, slot_ids):
+    return kernel(x, a, b, slot_ids, interpret=interpret)
+
+
+def _differentiable_fwd(kernel, interpret, x, a, b, slot_ids):
+    return kernel(x, a, b, slot_ids, interpret=interpret), (x, a, b, slot_ids)
+
+
+def _differentiable_bwd(kernel, interpret, res, dy):  # dy [T, O]
+    x, a, b, slot_ids = res
+    # dx = dy @ B^T @ A^T per token: the same kernel on the transposed adapter.
+    dx = kernel(dy.astype(x.dtype), jnp.swapaxes(b, 1, 2), jnp.swapaxes(a, 1, 2), slot_ids, interpret=interpret)
+    keep = (slot_ids[:, None] == jnp.arange(a.shape[0], dtype=slot_ids.dtype)[None, :]).astype(jnp.float32)
+    f32 = jnp.float32
+    h = jnp.einsum("td,ndr->tnr", x, a, preferred_element_type=f32) * keep[:, :, None]  # each token's shrink
+    g = jnp.einsum("to,nro->tnr", dy, b, preferred_element_type=f32) * keep[:, :, None]  # dy @ B^T
+    da = jnp.einsum("td,tnr->ndr", x.astype(f32), g).astype(a.dtype)
+    db = jnp.einsum("tnr,to->nro", h, dy.astype(f32)).astype(b.dtype)
+    return dx.astype(x.dtype), da, db, None
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)

@@ -31,12 +31,13 @@ import numpy as np
 from flax import nnx
 
 from jlora.kernels import lora_delta
-from jlora.kernels.attention import paged_attention
+from jlora.kernels.attention import causal_attention, paged_attention
 from jlora.models import quant
 from jlora.models.config import PACKED_MODULES, LlamaConfig
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT names
 FUSED_MODULES = tuple(PACKED_MODULES)  # ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"): the GEMMs
+TRAINABLE_IMPLS = ("gather", "laned", "pallas")  # lora_delta implementations with a gradient
 KVCache = dict  # {"k": [L, num_blocks, block_size, KVH, Dh], "v": same}
 LoRAState = dict  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}
 
@@ -180,19 +181,76 @@ class Llama(nnx.Module):
         lora_impl: str = "auto",
         attn_chunk: int = 128,
     ) -> tuple[jax.Array, KVCache]:  # hidden states [T, D] before the final norm, new cache
+        """The serving step's forward: keys and values go to the paged cache, attention reads it."""
         cfg = self.cfg
-        h, kvh, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, dh = cfg.num_attention_heads, cfg.head_dim
         num_blocks, bs = cache["k"].shape[1:3]
         chunk = max(bs, attn_chunk // bs * bs)
         positions = jnp.concatenate([g.positions.reshape(-1) for g in groups])  # [T]
-        cos, sin = rope_tables(positions, self.inv_freq[...])
         # Where each token's key/value goes: (block of its position, offset); padding is dropped.
         block = jnp.concatenate([
             jnp.take_along_axis(g.block_tables, jnp.maximum(g.positions, 0) // bs, axis=1).reshape(-1)
             for g in groups])
         block = jnp.where(positions >= 0, block, num_blocks)
         offset = jnp.maximum(positions, 0) % bs
+
+        def attend(q, k, v, i, win, kv):
+            ck, cv = kv
+            ck = ck.at[i, block, offset].set(quant.narrow(k, ck), mode="drop")
+            cv = cv.at[i, block, offset].set(quant.narrow(v, cv), mode="drop")
+            outs, start = [], 0
+            for g in groups:
+                b, nq = g.positions.shape
+                qg = q[start: start + b * nq].reshape(b, nq, h, dh)
+                outs.append(paged_attention(qg, ck, cv, i, g.positions, g.block_tables, win,
+                                            chunk=chunk).reshape(b * nq, h * dh))
+                start += b * nq
+            return (jnp.concatenate(outs) if len(outs) > 1 else outs[0]), (ck, cv)
+
+        x = quant.embed(quant.weight(self, "embed_tokens"), tokens)
+        x, (ck, cv) = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend,
+                                    quant.to_bits((cache["k"], cache["v"])))
+        return x, {"k": quant.like(ck, cache["k"]), "v": quant.like(cv, cache["v"])}
+
+    def train_logits(
+        self,
+        tokens: jax.Array,  # i32[B, T]
+        lora_state: LoRAState | None = None,  # the slots the engine serves (a training pytree)
+        seq_slot_ids: jax.Array | None = None,  # i32[B]: each row's slot; None = slot 0 (or base without slots)
+        *,
+        lora_impl: str = "laned",
+    ) -> jax.Array:  # f32[B, T, V]
+        """A training forward: no KV cache, causal attention within each row, differentiable in
+        `lora_state` (and the weights). Right padding needs no mask (causal: later tokens never
+        reach earlier ones); mask the loss instead. `lora_impl` must be differentiable:
+        "gather", "laned" or "pallas" (grouped's block loop has a data-dependent trip count)."""
+        if lora_impl not in TRAINABLE_IMPLS:
+            raise ValueError(f"lora_impl={lora_impl!r} cannot be differentiated; use one of {list(TRAINABLE_IMPLS)}")
+        cfg = self.cfg
+        bsz, t = tokens.shape
+        h, kvh, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if seq_slot_ids is None:
+            seq_slot_ids = jnp.full((bsz,), 0 if lora_state else -1, jnp.int32)
+        slot_ids = jnp.repeat(seq_slot_ids.astype(jnp.int32), t)
+        positions = jnp.tile(jnp.arange(t, dtype=jnp.int32), bsz)
+
+        def attend(q, k, v, i, win, state):
+            out = causal_attention(q.reshape(bsz, t, h, dh), k.reshape(bsz, t, kvh, dh),
+                                   v.reshape(bsz, t, kvh, dh), win)
+            return out.reshape(bsz * t, h * dh), state
+
+        x = quant.embed(quant.weight(self, "embed_tokens"), tokens.reshape(-1))
+        x, _ = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend, ())
+        return self.logits(x).reshape(bsz, t, -1)
+
+    def _decoder(self, x, positions, slot_ids, lora_state, lora_impl, attend, state):
+        """The decoder stack over x [T, D] as one scan over the layers. `attend(q, k, v, layer,
+        window, state) -> (attention [T, H*Dh], state)` is the one part the serving step (paged
+        KV cache) and the training forward (dense causal) do differently."""
+        cfg = self.cfg
+        h, kvh, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
+        cos, sin = rope_tables(positions, self.inv_freq[...])
 
         # A batch with no adapter token skips the LoRA math (and reading the slots) in every layer.
         any_lora = jnp.any(slot_ids >= 0)
@@ -210,7 +268,7 @@ class Llama(nnx.Module):
             windows = jnp.asarray([w or np.iinfo(np.int32).max // 2 for w in cfg.sliding_windows], jnp.int32)
 
         def layer(carry, xs):
-            x, ck, cv = carry
+            x, state = carry
             w, i = xs
             win = None if windows is None else windows[i]
             w = quant.widen(w)  # this layer's bf16 weights, sliced as bits, to f32 on XLA:CPU
@@ -228,27 +286,17 @@ class Llama(nnx.Module):
             if cfg.qk_norm:
                 q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            ck = ck.at[i, block, offset].set(quant.narrow(k, ck), mode="drop")
-            cv = cv.at[i, block, offset].set(quant.narrow(v, cv), mode="drop")
-            outs, start = [], 0
-            for g in groups:
-                b, nq = g.positions.shape
-                qg = q[start: start + b * nq].reshape(b, nq, h, dh)
-                outs.append(paged_attention(qg, ck, cv, i, g.positions, g.block_tables, win,
-                                            chunk=chunk).reshape(b * nq, h * dh))
-                start += b * nq
-            attn = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+            attn, state = attend(q, k, v, i, win, state)
             o = linear(attn.astype(x.dtype), "o_proj")
             x = x + (o + w["o_bias"].astype(o.dtype) if cfg.o_bias else o)
             y = rms_norm(x, w["post_attention_layernorm"], eps)
             gate, up = jnp.split(linear(y, "gate_up_proj"), 2, axis=-1)  # one GEMM
             x = x + linear(jax.nn.silu(gate) * up, "down_proj")
-            return (x, ck, cv), None
+            return (x, state), None
 
-        x = quant.embed(quant.weight(self, "embed_tokens"), tokens)
         xs = (quant.to_bits(self.layers.weights()), jnp.arange(cfg.num_hidden_layers))
-        (x, ck, cv), _ = jax.lax.scan(layer, (x, *quant.to_bits((cache["k"], cache["v"]))), xs)
-        return x, {"k": quant.like(ck, cache["k"]), "v": quant.like(cv, cache["v"])}
+        (x, state), _ = jax.lax.scan(layer, (x, state), xs)
+        return x, state
 
     def logits(self, x: jax.Array) -> jax.Array:  # [..., D] hidden before the final norm -> f32[..., V]
         return quant.lm_head(self.norm(x), quant.head_rows(self))
