@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -408,10 +409,48 @@ def test_set_slot_validates():
 
 
 def test_padded_update_rejects():
-    with pytest.raises(ValueError, match="max_lora_rank=4"):
+    with pytest.raises(ValueError, match=r"^adapter 'x': module 'q_proj' has rank r=8, above max_lora_rank=4$"):
         padded_update(_random_adapter(0, ("q_proj",), 8), CFG, 4)
-    with pytest.raises(ValueError, match="does not hold"):
+    with pytest.raises(ValueError, match=r"^adapter 'x' targets modules \['q_proj'\] that this engine's LoRA state does "
+                                         r"not hold \(it holds \['v_proj'\]\)$"):
         padded_update(_random_adapter(0, ("q_proj",), 2), CFG, 4, modules=("v_proj",))
+
+
+def test_one_fit_check_for_files_converted_adapters_and_the_manager(tmp_path):
+    """Rank and module fit are checked by one function (`check_lora_fit`) wherever an adapter meets
+    an engine; each caller says who is checked, so the message names the file, module or source."""
+    from jlora.models.config import LORA_MODULES, MODULE_PARENT, PACKED_MODULES
+
+    assert LORA_MODULES == tuple(m for subs in PACKED_MODULES.values() for m in subs) == tuple(PARENT)
+    assert MODULE_PARENT == PARENT and set(SHAPES) == set(LORA_MODULES)
+    write_peft(tmp_path / "big", r=8)
+    with pytest.raises(ValueError, match=r"adapter_config.json: module 'model.layers.0.self_attn.q_proj' has rank "
+                                         r"r=8, above max_lora_rank=4$"):
+        read_peft_adapter(tmp_path / "big", CFG, max_lora_rank=4)
+    ad = _random_adapter(0, ("down_proj",), 8, name="sql")
+    with pytest.raises(ValueError, match=r"^adapter 'sql': module 'down_proj' has rank r=8, above max_lora_rank=4$"):
+        ad.validate(CFG, 4)
+    odd = LoRAAdapter("odd", {"lm_head": 2}, {"lm_head": (np.zeros((2, 64, 2)), np.zeros((2, 2, 64)))})
+    with pytest.raises(ValueError, match=r"^adapter 'odd': unknown LoRA modules \['lm_head'\]; known: \['q_proj', "):
+        odd.validate(CFG)
+    write_peft(tmp_path / "q", modules=("q_proj", "o_proj"), r=2)
+    mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, modules=("v_proj", "o_proj"))
+    with pytest.raises(ValueError, match=rf"^adapter 'q' \({re.escape(str(tmp_path / 'q'))}\) targets modules "
+                                         r"\['q_proj'\] that this engine's LoRA state does not hold"):
+        mgr.prepare(LoRARequest("q", 1, str(tmp_path / "q")))
+    assert mgr.list_adapters() == []
+
+
+@pytest.mark.parametrize("max_loras", [1, 2, 4, 5])
+def test_one_max_cpu_loras_default(max_loras):
+    from jlora.defaults import engine_config
+    from jlora.engine.config import EngineConfig, default_max_cpu_loras
+
+    want = max(4 * max_loras, 8)
+    assert default_max_cpu_loras(max_loras) == want
+    assert EngineConfig(max_loras=max_loras).max_cpu_loras == want
+    assert engine_config(max_loras=max_loras).max_cpu_loras == want
+    assert AdapterManager(CFG, max_loras=max_loras, max_lora_rank=4).max_cpu_loras == want
 
 
 # ---- AdapterManager -----------------------------------------------------------------------------------
@@ -606,6 +645,8 @@ def test_unload_while_the_same_name_converts_stays_unloaded(adapters, monkeypatc
     assert _slot_matches(mgr, dev, slot, adapters[0])
     mgr.release(slot)
     assert mgr.resident() == {}  # as a retired version: gone once released
+    again = mgr.prepare(_req(0, adapters))  # a load after the unload brings it back
+    assert mgr.list_adapters() == ["a0"] and _acquire(mgr, dev, again) == slot and mgr.resident() == {slot: "a0"}
 
 
 def test_acquire_queues_the_padded_write_and_the_runner_applies_it(adapters):
