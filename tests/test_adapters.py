@@ -8,6 +8,7 @@ host cache's byte bound.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
@@ -647,6 +648,36 @@ def test_unload_while_the_same_name_converts_stays_unloaded(adapters, monkeypatc
     assert mgr.resident() == {}  # as a retired version: gone once released
     again = mgr.prepare(_req(0, adapters))  # a load after the unload brings it back
     assert mgr.list_adapters() == ["a0"] and _acquire(mgr, dev, again) == slot and mgr.resident() == {slot: "a0"}
+
+
+def test_unload_while_a_second_prepare_waits_on_the_conversion(adapters, monkeypatch):
+    """Two prepares of one version (the second waits on the first's conversion) and an unload of the
+    name between: neither brings it back, both get the converted handle, it was converted once."""
+    import threading
+
+    gate, started, calls = _blocking_reads(monkeypatch)
+    mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8)
+    first = mgr.prepare_async(_req(1, adapters))
+    assert started.wait(10)
+    waiting, handles = threading.Event(), {}
+    real_wait = concurrent.futures.Future.result
+
+    def result(fut, timeout=None):
+        waiting.set()
+        return real_wait(fut, timeout)
+
+    monkeypatch.setattr(concurrent.futures.Future, "result", result)
+    t = threading.Thread(target=lambda: handles.update(second=mgr.prepare(_req(1, adapters))))
+    t.start()
+    assert waiting.wait(10)  # the second prepare waits on the first's Future
+    assert not mgr.unload("a1")
+    gate.set()
+    t.join(10)
+    h = first.result(10)
+    assert handles["second"] is h and len(calls) == 1
+    assert mgr.list_adapters() == []
+    slot = mgr.acquire(h)  # the requests that asked are served, from a retired slot: the name stays gone
+    assert slot >= 0 and mgr.resident() == {} and mgr.slot_of("a1") is None
 
 
 def test_acquire_queues_the_padded_write_and_the_runner_applies_it(adapters):
