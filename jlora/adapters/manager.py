@@ -20,7 +20,8 @@ already padded); the scheduler hands the queue to the step plan (`take_writes`) 
 applies it right before the step that reads those slots. The padding (`padded_update`, 78 MB of
 zeros per adapter at rank 64 on SmolLM2) happens where the adapter is converted (`prepare`, on
 the `prepare_async` worker for the server) and is kept in the handle, which is also the host
-cache's entry: a slot miss on the step thread copies nothing on the host.
+cache's entry: a slot miss on the step thread copies nothing on the host. Measured (SmolLM2, rank
+64, 2 busy cores): padding 76 ms, the slot write 59 ms, so a miss costs the step ~59 ms, not ~135.
 
 AdapterManager keeps a host LRU cache of converted adapters, bounded in count (`max_cpu_loras`)
 and optionally in bytes (`max_cpu_lora_bytes`, counting each entry's padded copy too). Below the
