@@ -707,6 +707,26 @@ def test_acquire_queues_the_padded_write_and_the_runner_applies_it(adapters):
     assert w.update is h0.update and mgr.stats["evictions"] == 2
 
 
+def test_a_bfloat16_slot_holds_the_adapter_rounded_once(adapters):
+    """The handle's copy is already in the slots' storage dtype (bf16, kept as its uint16 bits on
+    XLA:CPU); the write must not convert it again."""
+    import jax.numpy as jnp
+
+    from jlora.models import quant
+
+    mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8, dtype=jnp.bfloat16)
+    dev = LoRASlots(CFG, 2, 8, jnp.bfloat16)
+    slot = _acquire(mgr, dev, _req(1, adapters))
+    want = padded_update(read_peft_adapter(adapters[1], CFG), CFG, 8, dtype=jnp.bfloat16)
+    for m in want:
+        for k in ("A", "B"):
+            got = np.asarray(dev.state[m][k])[:, slot]
+            assert got.dtype == np.dtype(quant.storage_dtype(jnp.bfloat16))
+            got = got.view(jnp.bfloat16) if got.dtype == np.uint16 else got
+            np.testing.assert_array_equal(got.astype(np.float32), want[m][k].astype(np.float32))
+    assert np.abs(want["qkv_proj"]["A"].astype(np.float32)).max() > 0
+
+
 def test_protected_slots_are_evicted_last(adapters):
     """Eviction order: free slots (lowest index), then unpinned slots of adapters the queue no longer
     needs, least recently used first, then the queue's own (least recently used first); pinned never."""

@@ -141,7 +141,8 @@ def _as_dtype(x: Any, dtype: Any) -> Any:
     if dtype == jnp.uint16:  # a bf16 state kept as its bits (jlora.models.quant.storage_dtype)
         if isinstance(x, jax.Array):
             return x if x.dtype == dtype else lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-        return np.asarray(x, dtype=jnp.bfloat16).view(np.uint16)
+        x = np.asarray(x)
+        return x if x.dtype == np.uint16 else np.asarray(x, dtype=jnp.bfloat16).view(np.uint16)  # bits already, or bf16
     if isinstance(x, jax.Array):
         return x if x.dtype == dtype else x.astype(dtype)
     return np.asarray(x, dtype=dtype)
