@@ -158,9 +158,7 @@ class LLM:
         self.startup_seconds["warmup"] = time.perf_counter() - t4
 
     def warmup(self) -> None:
-        with compile_stats.stage("set_slot"):
-            self.engine.adapters.warmup()
-        self.engine.runner.warmup(self.engine.adapters.lora_state, progress=self.progress)
+        self.engine.runner.warmup(progress=self.progress)
 
     # ---- generation -------------------------------------------------------------------------------
 
@@ -285,12 +283,12 @@ class LLM:
         def name(x) -> str:
             return "bfloat16" if x.dtype == jnp.uint16 else str(x.dtype)
 
-        runner, adapters = self.engine.runner, self.engine.adapters
+        runner = self.engine.runner
         leaves = jax.tree.leaves(runner.state)
         int8 = sum(x.nbytes for x in leaves if x.dtype == jnp.int8)
         total_w = sum(x.nbytes for x in leaves)
         kv = list(runner.cache.values())
-        slots = jax.tree.leaves(adapters.lora_state)
+        slots = jax.tree.leaves(runner.lora_state)
         report: dict[str, dict[str, object]] = {
             "weights": {"bytes": total_w, "dtype": self.dtype, "quantization": self.quantization,
                         "int8_bytes": int8, "float_bytes": total_w - int8,

@@ -8,9 +8,11 @@ host cache's byte bound.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -19,8 +21,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from jlora.adapters import (
-    AdapterManager, LoRAAdapter, LoRARequest, NoFreeSlotError, convert, convert_main, load_adapter, padded_update,
-    read_adapter, read_peft_adapter, save_adapter, set_slot, slot_module,
+    AdapterHandle, AdapterManager, LoRAAdapter, LoRARequest, LoRASlots, NoFreeSlotError, convert, convert_main,
+    load_adapter, padded_update, read_adapter, read_peft_adapter, save_adapter, set_slot, slot_module,
 )
 from jlora.models import LlamaConfig, init_lora_state
 
@@ -408,10 +410,48 @@ def test_set_slot_validates():
 
 
 def test_padded_update_rejects():
-    with pytest.raises(ValueError, match="max_lora_rank=4"):
+    with pytest.raises(ValueError, match=r"^adapter 'x': module 'q_proj' has rank r=8, above max_lora_rank=4$"):
         padded_update(_random_adapter(0, ("q_proj",), 8), CFG, 4)
-    with pytest.raises(ValueError, match="does not hold"):
+    with pytest.raises(ValueError, match=r"^adapter 'x' targets modules \['q_proj'\] that this engine's LoRA state does "
+                                         r"not hold \(it holds \['v_proj'\]\)$"):
         padded_update(_random_adapter(0, ("q_proj",), 2), CFG, 4, modules=("v_proj",))
+
+
+def test_one_fit_check_for_files_converted_adapters_and_the_manager(tmp_path):
+    """Rank and module fit are checked by one function (`check_lora_fit`) wherever an adapter meets
+    an engine; each caller says who is checked, so the message names the file, module or source."""
+    from jlora.models.config import LORA_MODULES, MODULE_PARENT, PACKED_MODULES
+
+    assert LORA_MODULES == tuple(m for subs in PACKED_MODULES.values() for m in subs) == tuple(PARENT)
+    assert MODULE_PARENT == PARENT and set(SHAPES) == set(LORA_MODULES)
+    write_peft(tmp_path / "big", r=8)
+    with pytest.raises(ValueError, match=r"adapter_config.json: module 'model.layers.0.self_attn.q_proj' has rank "
+                                         r"r=8, above max_lora_rank=4$"):
+        read_peft_adapter(tmp_path / "big", CFG, max_lora_rank=4)
+    ad = _random_adapter(0, ("down_proj",), 8, name="sql")
+    with pytest.raises(ValueError, match=r"^adapter 'sql': module 'down_proj' has rank r=8, above max_lora_rank=4$"):
+        ad.validate(CFG, 4)
+    odd = LoRAAdapter("odd", {"lm_head": 2}, {"lm_head": (np.zeros((2, 64, 2)), np.zeros((2, 2, 64)))})
+    with pytest.raises(ValueError, match=r"^adapter 'odd': unknown LoRA modules \['lm_head'\]; known: \['q_proj', "):
+        odd.validate(CFG)
+    write_peft(tmp_path / "q", modules=("q_proj", "o_proj"), r=2)
+    mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, modules=("v_proj", "o_proj"))
+    with pytest.raises(ValueError, match=rf"^adapter 'q' \({re.escape(str(tmp_path / 'q'))}\) targets modules "
+                                         r"\['q_proj'\] that this engine's LoRA state does not hold"):
+        mgr.prepare(LoRARequest("q", 1, str(tmp_path / "q")))
+    assert mgr.list_adapters() == []
+
+
+@pytest.mark.parametrize("max_loras", [1, 2, 4, 5])
+def test_one_max_cpu_loras_default(max_loras):
+    from jlora.defaults import engine_config
+    from jlora.engine.config import EngineConfig, default_max_cpu_loras
+
+    want = max(4 * max_loras, 8)
+    assert default_max_cpu_loras(max_loras) == want
+    assert EngineConfig(max_loras=max_loras).max_cpu_loras == want
+    assert engine_config(max_loras=max_loras).max_cpu_loras == want
+    assert AdapterManager(CFG, max_loras=max_loras, max_lora_rank=4).max_cpu_loras == want
 
 
 # ---- AdapterManager -----------------------------------------------------------------------------------
@@ -432,49 +472,64 @@ def _req(i: int, paths, name=None, int_id=None, path=None) -> LoRARequest:
     return LoRARequest(name or f"a{i}", int_id or i + 1, str(path or paths[i]))
 
 
-def _slot_matches(mgr: AdapterManager, slot: int, path) -> bool:
+def _device(mgr: AdapterManager) -> LoRASlots:
+    """The slot arrays beside `mgr`, as the engine's ModelRunner holds them."""
+    return LoRASlots(CFG, mgr.max_loras, mgr.max_lora_rank, modules=mgr.modules)
+
+
+def _acquire(mgr: AdapterManager, dev: LoRASlots, req: LoRARequest | AdapterHandle | None, protect=()) -> int:
+    """As the engine acquires: through a handle (`prepare` unless given one), then the runner
+    applies the queued writes before the step."""
+    handle = mgr.prepare(req) if isinstance(req, LoRARequest) else req
+    slot = mgr.acquire(handle, protect)
+    dev.write(mgr.take_writes())
+    return slot
+
+
+def _slot_matches(mgr: AdapterManager, dev: LoRASlots, slot: int, path) -> bool:
     ad = read_peft_adapter(path, CFG)
     upd = padded_update(ad, CFG, mgr.max_lora_rank)
-    return all(np.array_equal(np.asarray(mgr.lora_state[m][k])[:, slot], upd[m][k])
+    return all(np.array_equal(np.asarray(dev.state[m][k])[:, slot], upd[m][k])
                for m in upd for k in ("A", "B"))
 
 
-def _snapshot(mgr):
-    return {m: {k: np.asarray(v) for k, v in s.items()} for m, s in mgr.lora_state.items()}
+def _snapshot(dev: LoRASlots):
+    return {m: {k: np.asarray(v) for k, v in s.items()} for m, s in dev.state.items()}
 
 
 def test_manager_acquire_reuse_pins_lru(adapters):
     mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8, max_cpu_loras=4)
-    mgr.warmup()
-    assert mgr.acquire(None) == -1
-    s0 = mgr.acquire(_req(0, adapters))
-    s1 = mgr.acquire(_req(1, adapters))
+    dev = _device(mgr)
+    dev.warmup()
+    assert _acquire(mgr, dev, None) == -1
+    s0 = _acquire(mgr, dev, _req(0, adapters))
+    s1 = _acquire(mgr, dev, _req(1, adapters))
     assert {s0, s1} == {0, 1} and mgr.resident() == {s0: "a0", s1: "a1"}
-    assert mgr.acquire(_req(0, adapters)) == s0 and mgr.pins(s0) == 2  # resident: same slot, pinned twice
-    assert _slot_matches(mgr, s0, adapters[0]) and _slot_matches(mgr, s1, adapters[1])
+    assert _acquire(mgr, dev, _req(0, adapters)) == s0 and mgr.pins(s0) == 2  # resident: same slot, pinned twice
+    assert _slot_matches(mgr, dev, s0, adapters[0]) and _slot_matches(mgr, dev, s1, adapters[1])
 
     # all pinned -> NoFreeSlotError, nothing changes
-    snap = _snapshot(mgr)
+    snap = _snapshot(dev)
     with pytest.raises(NoFreeSlotError, match="pinned"):
-        mgr.acquire(_req(2, adapters))
+        _acquire(mgr, dev, _req(2, adapters))
     assert isinstance(NoFreeSlotError("x"), RuntimeError)
     assert mgr.resident() == {s0: "a0", s1: "a1"}
-    assert all(np.array_equal(snap[m][k], np.asarray(mgr.lora_state[m][k])) for m in snap for k in ("A", "B"))
+    assert all(np.array_equal(snap[m][k], np.asarray(dev.state[m][k])) for m in snap for k in ("A", "B"))
 
     # release: ref-counted; a1 released first, then a0 (fully) -> a1 is least recently used
     mgr.release(s1)
     mgr.release(s0)
     assert mgr.pins(s0) == 1
     with pytest.raises(NoFreeSlotError):  # a0 still pinned once; a1 unpinned -> evicted, so this works:
-        mgr.acquire(_req(2, adapters)), mgr.acquire(_req(3, adapters))
+        _acquire(mgr, dev, _req(2, adapters)), _acquire(mgr, dev, _req(3, adapters))
     assert mgr.resident() == {s0: "a0", s1: "a2"}  # a2 took a1's slot
-    assert _slot_matches(mgr, s1, adapters[2])
+    assert _slot_matches(mgr, dev, s1, adapters[2])
     mgr.release(s0)
     mgr.release(s1)
-    mgr.acquire(_req(0, adapters))  # touch a0: now a2 is LRU
+    _acquire(mgr, dev, _req(0, adapters))  # touch a0: now a2 is LRU
     mgr.release(s0)
-    s3 = mgr.acquire(_req(3, adapters))
-    assert s3 == s1 and mgr.resident() == {s0: "a0", s1: "a3"} and _slot_matches(mgr, s1, adapters[3])
+    s3 = _acquire(mgr, dev, _req(3, adapters))
+    assert s3 == s1 and mgr.resident() == {s0: "a0", s1: "a3"} and _slot_matches(mgr, dev, s1, adapters[3])
     assert mgr.stats["evictions"] == 2
     with pytest.raises(ValueError, match="not pinned"):
         mgr.release(s0)
@@ -485,69 +540,75 @@ def test_manager_acquire_reuse_pins_lru(adapters):
 
 def test_manager_host_cache_lru(adapters):
     mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, max_cpu_loras=2)
+    dev = _device(mgr)
     for i in (0, 1, 0, 2, 0, 1):  # host cache keeps 2: a0 stays hot, a1 falls out when a2 arrives
-        mgr.release(mgr.acquire(_req(i, adapters)))
+        mgr.release(_acquire(mgr, dev, _req(i, adapters)))
     assert mgr.stats["disk_loads"] == 4 and mgr.stats["host_hits"] == 2
     assert mgr.list_adapters() == ["a0", "a1"]
-    assert _slot_matches(mgr, 0, adapters[1])
+    assert _slot_matches(mgr, dev, 0, adapters[1])
     mgr.prepare(_req(3, adapters))  # into the host cache only
     assert mgr.resident() == {0: "a1"} and "a3" in mgr.list_adapters()
     loads = mgr.stats["disk_loads"]
-    mgr.release(mgr.acquire(_req(3, adapters)))
+    mgr.release(_acquire(mgr, dev, _req(3, adapters)))
     assert mgr.stats["disk_loads"] == loads
 
 
 def test_manager_bad_adapter_changes_nothing(adapters, tmp_path):
     mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=4, max_cpu_loras=4)
-    s = mgr.acquire(_req(0, adapters))
+    dev = _device(mgr)
+    s = _acquire(mgr, dev, _req(0, adapters))
     mgr.release(s)
-    snap, res = _snapshot(mgr), mgr.resident()
+    snap, res = _snapshot(dev), mgr.resident()
     write_peft(tmp_path / "dora", config={"use_dora": True})
     write_peft(tmp_path / "big", r=8)
     for req, exc in [(LoRARequest("dora", 10, str(tmp_path / "dora")), ValueError),
                      (LoRARequest("big", 11, str(tmp_path / "big")), ValueError),
                      (LoRARequest("gone", 12, str(tmp_path / "gone")), FileNotFoundError)]:
         with pytest.raises(exc):
-            mgr.acquire(req)
+            _acquire(mgr, dev, req)
         with pytest.raises(exc):
             mgr.prepare(req)
     assert mgr.resident() == res and mgr.list_adapters() == ["a0"]
-    assert all(np.array_equal(snap[m][k], np.asarray(mgr.lora_state[m][k])) for m in snap for k in ("A", "B"))
+    assert all(np.array_equal(snap[m][k], np.asarray(dev.state[m][k])) for m in snap for k in ("A", "B"))
     with pytest.raises(ValueError, match="LoRARequest"):
-        mgr.acquire("a0")
+        mgr.prepare("a0")
+    with pytest.raises(ValueError, match="AdapterHandle"):
+        mgr.acquire(_req(0, adapters))  # the handle is the only way in
 
 
 def test_manager_versions_never_stale(adapters, tmp_path):
     mgr = AdapterManager(CFG, max_loras=3, max_lora_rank=8, max_cpu_loras=4)
-    old = mgr.acquire(_req(0, adapters, name="sql"))  # pinned by a "running request"
+    dev = _device(mgr)
+    old = _acquire(mgr, dev, _req(0, adapters, name="sql"))  # pinned by a "running request"
     # same name, new path: new weights in a new slot; the running request keeps the old slot
-    new = mgr.acquire(_req(0, adapters, name="sql", path=adapters[1]))
-    assert new != old and _slot_matches(mgr, new, adapters[1]) and _slot_matches(mgr, old, adapters[0])
+    new = _acquire(mgr, dev, _req(0, adapters, name="sql", path=adapters[1]))
+    assert new != old and _slot_matches(mgr, dev, new, adapters[1]) and _slot_matches(mgr, dev, old, adapters[0])
     assert mgr.resident() == {new: "sql"} and mgr.slot_of("sql") == new
     mgr.release(old)  # the retired version's slot is freed on its last release
     assert mgr.pins(old) == 0
     # same name and path, new int id: a new version too
-    assert mgr.acquire(_req(0, adapters, name="sql", int_id=7, path=adapters[1])) != new
+    assert _acquire(mgr, dev, _req(0, adapters, name="sql", int_id=7, path=adapters[1])) != new
     # files rewritten on disk under the same request: reloaded, never served stale
     p = tmp_path / "live"
     write_peft(p, seed=1)
     req = LoRARequest("live", 20, str(p))
-    s = mgr.acquire(req)
+    s = _acquire(mgr, dev, req)
     mgr.release(s)
     write_peft(p, seed=2)
     st = os.stat(p / "adapter_model.safetensors")
     os.utime(p / "adapter_model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    s2 = mgr.acquire(req)
-    assert _slot_matches(mgr, s2, p)
+    s2 = _acquire(mgr, dev, req)
+    assert _slot_matches(mgr, dev, s2, p)
     # one int id for two names is ambiguous
     with pytest.raises(ValueError, match="lora_int_id=20 is already used by adapter 'live'"):
-        mgr.acquire(LoRARequest("other", 20, str(adapters[2])))
+        _acquire(mgr, dev, LoRARequest("other", 20, str(adapters[2])))
 
 
 def test_manager_unload(adapters):
     mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8)
-    s0 = mgr.acquire(_req(0, adapters))
-    s1 = mgr.acquire(_req(1, adapters))
+    dev = _device(mgr)
+    s0 = _acquire(mgr, dev, _req(0, adapters))
+    s1 = _acquire(mgr, dev, _req(1, adapters))
     mgr.release(s1)
     assert mgr.unload("a1") and mgr.resident() == {s0: "a0"}
     assert mgr.unload("a0") and mgr.resident() == {} and mgr.pins(s0) == 1  # pinned: freed on release
@@ -555,7 +616,7 @@ def test_manager_unload(adapters):
     assert mgr.pins(s0) == 0 and mgr.list_adapters() == []
     assert not mgr.unload("nope")
     # both slots free again
-    assert {mgr.acquire(_req(2, adapters)), mgr.acquire(_req(3, adapters))} == {0, 1}
+    assert {_acquire(mgr, dev, _req(2, adapters)), _acquire(mgr, dev, _req(3, adapters))} == {0, 1}
 
 
 def test_unload_while_the_same_name_converts_stays_unloaded(adapters, monkeypatch):
@@ -563,6 +624,7 @@ def test_unload_while_the_same_name_converts_stays_unloaded(adapters, monkeypatc
     import threading
 
     mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8)
+    dev = _device(mgr)
     started, go = threading.Event(), threading.Event()
     real = mgr._convert
 
@@ -580,17 +642,150 @@ def test_unload_while_the_same_name_converts_stays_unloaded(adapters, monkeypatc
     go.set()
     t.join(30)
     assert mgr.list_adapters() == [] and "a0" not in mgr._current
-    slot = mgr.acquire(_req(0, adapters), result["handle"])  # the request that asked is still served
-    assert _slot_matches(mgr, slot, adapters[0])
+    slot = _acquire(mgr, dev, result["handle"])  # the request that asked is still served
+    assert _slot_matches(mgr, dev, slot, adapters[0])
     mgr.release(slot)
     assert mgr.resident() == {}  # as a retired version: gone once released
+    again = mgr.prepare(_req(0, adapters))  # a load after the unload brings it back
+    assert mgr.list_adapters() == ["a0"] and _acquire(mgr, dev, again) == slot and mgr.resident() == {slot: "a0"}
+
+
+def test_unload_while_a_second_prepare_waits_on_the_conversion(adapters, monkeypatch):
+    """Two prepares of one version (the second waits on the first's conversion) and an unload of the
+    name between: neither brings it back, both get the converted handle, it was converted once."""
+    import threading
+
+    gate, started, calls = _blocking_reads(monkeypatch)
+    mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8)
+    first = mgr.prepare_async(_req(1, adapters))
+    assert started.wait(10)
+    waiting, handles = threading.Event(), {}
+    real_wait = concurrent.futures.Future.result
+
+    def result(fut, timeout=None):
+        waiting.set()
+        return real_wait(fut, timeout)
+
+    monkeypatch.setattr(concurrent.futures.Future, "result", result)
+    t = threading.Thread(target=lambda: handles.update(second=mgr.prepare(_req(1, adapters))))
+    t.start()
+    assert waiting.wait(10)  # the second prepare waits on the first's Future
+    assert not mgr.unload("a1")
+    gate.set()
+    t.join(10)
+    h = first.result(10)
+    assert handles["second"] is h and len(calls) == 1
+    assert mgr.list_adapters() == []
+    slot = mgr.acquire(h)  # the requests that asked are served, from a retired slot: the name stays gone
+    assert slot >= 0 and mgr.resident() == {} and mgr.slot_of("a1") is None
+
+
+def test_acquire_queues_the_padded_write_and_the_runner_applies_it(adapters):
+    """Device state has one owner: acquire changes no array, it queues (slot, update already padded
+    when the adapter was prepared); the slot arrays change only when the queue is applied."""
+    mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8)
+    dev = _device(mgr)
+    assert not hasattr(mgr, "lora_state")
+    h0, h1 = mgr.prepare(_req(0, adapters)), mgr.prepare(_req(1, adapters))
+    assert {m: {k: x.shape for k, x in u.items()} for m, u in h0.update.items()} == \
+        {m: {k: x.shape for k, x in u.items()} for m, u in padded_update(None, CFG, 8).items()}
+    before = _snapshot(dev)
+    assert mgr.acquire(h0) == 0
+    (w,) = mgr.take_writes()
+    assert (w.slot, w.update is h0.update) == (0, True) and mgr.take_writes() == ()
+    assert all(np.array_equal(before[m][k], np.asarray(dev.state[m][k])) for m in before for k in ("A", "B"))
+    dev.write([w])
+    assert _slot_matches(mgr, dev, 0, adapters[0]) and dev.num_writes == 1
+    assert mgr.acquire(h0) == 0 and mgr.take_writes() == ()  # resident: nothing to write
+    mgr.release(0)
+    mgr.release(0)
+    # The slot changes hands twice before a step applies the queue: only the last write is kept.
+    assert mgr.acquire(h1) == 0
+    mgr.release(0)
+    assert mgr.acquire(h0) == 0
+    (w,) = mgr.take_writes()
+    assert w.update is h0.update and mgr.stats["evictions"] == 2
+
+
+def test_a_bfloat16_slot_holds_the_adapter_rounded_once(adapters):
+    """The handle's copy is already in the slots' storage dtype (bf16, kept as its uint16 bits on
+    XLA:CPU); the write must not convert it again."""
+    import jax.numpy as jnp
+
+    from jlora.models import quant
+
+    mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8, dtype=jnp.bfloat16)
+    dev = LoRASlots(CFG, 2, 8, jnp.bfloat16)
+    slot = _acquire(mgr, dev, _req(1, adapters))
+    want = padded_update(read_peft_adapter(adapters[1], CFG), CFG, 8, dtype=jnp.bfloat16)
+    for m in want:
+        for k in ("A", "B"):
+            got = np.asarray(dev.state[m][k])[:, slot]
+            assert got.dtype == np.dtype(quant.storage_dtype(jnp.bfloat16))
+            got = got.view(jnp.bfloat16) if got.dtype == np.uint16 else got
+            np.testing.assert_array_equal(got.astype(np.float32), want[m][k].astype(np.float32))
+    assert np.abs(want["qkv_proj"]["A"].astype(np.float32)).max() > 0
+
+
+def test_protected_slots_are_evicted_last(adapters):
+    """Eviction order: free slots (lowest index), then unpinned slots of adapters the queue no longer
+    needs, least recently used first, then the queue's own (least recently used first); pinned never."""
+    mgr = AdapterManager(CFG, max_loras=3, max_lora_rank=8)
+    dev = _device(mgr)
+    handles = [mgr.prepare(_req(i, adapters)) for i in range(5)]
+    slots = [_acquire(mgr, dev, handles[i]) for i in range(3)]
+    assert slots == [0, 1, 2]
+    for s in (0, 1, 2):  # released in slot order: a0 is the least recently used
+        mgr.release(s)
+    # a0 and a1 are still needed by the queue: a2's slot goes, though a0 is older
+    assert _acquire(mgr, dev, handles[3], protect={"a0", "a1"}) == 2
+    assert mgr.resident() == {0: "a0", 1: "a1", 2: "a3"} and _slot_matches(mgr, dev, 2, adapters[3])
+    mgr.release(2)
+    # everything unpinned is needed: the least recently used of them goes (a0), not a3 (newest)
+    assert _acquire(mgr, dev, handles[4], protect={"a0", "a1", "a3"}) == 0
+    assert mgr.resident() == {0: "a4", 1: "a1", 2: "a3"}
+    # pinned slots are never taken, protected or not
+    _acquire(mgr, dev, handles[1])
+    _acquire(mgr, dev, handles[3])
+    with pytest.raises(NoFreeSlotError, match="pinned"):
+        _acquire(mgr, dev, handles[2])
+    assert mgr.take_writes() == () and mgr.resident() == {0: "a4", 1: "a1", 2: "a3"}
+
+
+def test_a_stale_handle_gets_a_retired_slot(adapters):
+    """A handle whose name moved on (a newer version prepared, or the name unloaded) is still served
+    its own weights, in a retired slot: never handed to the current version, freed on last release."""
+    mgr = AdapterManager(CFG, max_loras=3, max_lora_rank=8)
+    dev = _device(mgr)
+    old = mgr.prepare(_req(0, adapters, name="sql"))
+    new = mgr.prepare(_req(0, adapters, name="sql", path=adapters[1]))  # "sql" is this version now
+    s_old = _acquire(mgr, dev, old)
+    assert _slot_matches(mgr, dev, s_old, adapters[0]) and mgr.resident() == {} and mgr.slot_of("sql") is None
+    assert _acquire(mgr, dev, old) == s_old and mgr.pins(s_old) == 2  # holders of the old handle share it
+    s_new = _acquire(mgr, dev, new)
+    assert s_new != s_old and mgr.resident() == {s_new: "sql"} and _slot_matches(mgr, dev, s_new, adapters[1])
+    assert _slot_matches(mgr, dev, s_old, adapters[0])  # the current version did not take the retired slot
+    mgr.release(s_old)
+    mgr.release(s_old)
+    assert mgr.pins(s_old) == 0 and mgr.resident() == {s_new: "sql"}
+    assert mgr.acquire(old) == s_old and len(mgr.take_writes()) == 1  # it was freed: written again
+    mgr.release(s_old)
+    mgr.release(s_new)
+    # Unloaded after prepare: served once more as a retired slot, the name stays gone.
+    h = mgr.prepare(_req(2, adapters))
+    assert mgr.unload("a2")
+    s = _acquire(mgr, dev, h)
+    assert _slot_matches(mgr, dev, s, adapters[2]) and "a2" not in mgr.list_adapters() and mgr.slot_of("a2") is None
+    mgr.release(s)
+    assert mgr.pins(s) == 0 and "a2" not in mgr.resident().values()
 
 
 def test_manager_serves_converted_dir(adapters, tmp_path):
     save_adapter(read_peft_adapter(adapters[1], CFG), tmp_path / "conv")
     mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8)
-    s = mgr.acquire(LoRARequest("conv", 1, str(tmp_path / "conv")))
-    assert _slot_matches(mgr, s, adapters[1]) and mgr.resident() == {0: "conv"}
+    dev = _device(mgr)
+    s = _acquire(mgr, dev, LoRARequest("conv", 1, str(tmp_path / "conv")))
+    assert _slot_matches(mgr, dev, s, adapters[1]) and mgr.resident() == {0: "conv"}
 
 
 # ---- adapters from memory -------------------------------------------------------------------------------
@@ -708,18 +903,19 @@ def test_in_memory_rejections_match_files(tmp_path):
 
 def test_manager_in_memory_versions(adapters):
     mgr = AdapterManager(CFG, max_loras=3, max_lora_rank=8, max_cpu_loras=4)
+    dev = _device(mgr)
     t0, c0 = _as_state_dict(adapters[1])
     t1, c1 = _as_state_dict(adapters[3])
-    old = mgr.acquire(LoRARequest("mine", 5, tensors=t0, config=c0))  # pinned by a "running request"
-    assert _slot_matches(mgr, old, adapters[1])
+    old = _acquire(mgr, dev, LoRARequest("mine", 5, tensors=t0, config=c0))  # pinned by a "running request"
+    assert _slot_matches(mgr, dev, old, adapters[1])
     # the same content in a new request object: the same version, the same slot, no conversion
     conv = mgr.stats["conversions"]
-    assert mgr.acquire(LoRARequest("mine", 5, tensors=dict(t0), config=dict(c0))) == old
+    assert _acquire(mgr, dev, LoRARequest("mine", 5, tensors=dict(t0), config=dict(c0))) == old
     assert mgr.stats["conversions"] == conv
     mgr.release(old)
     # new tensors under the same name: a new version in a new slot; the running request keeps its weights
-    new = mgr.acquire(LoRARequest("mine", 5, tensors=t1, config=c1))
-    assert new != old and _slot_matches(mgr, new, adapters[3]) and _slot_matches(mgr, old, adapters[1])
+    new = _acquire(mgr, dev, LoRARequest("mine", 5, tensors=t1, config=c1))
+    assert new != old and _slot_matches(mgr, dev, new, adapters[3]) and _slot_matches(mgr, dev, old, adapters[1])
     assert mgr.resident() == {new: "mine"}
     mgr.release(old)
     assert mgr.pins(old) == 0 and mgr.resident() == {new: "mine"}
@@ -741,9 +937,10 @@ def test_disk_cache_second_manager_reads_instead_of_converting(adapters, tmp_pat
     assert first.stats["conversions"] == 1 and first.stats["disk_cache_misses"] == 1
     assert first.stats["disk_cache_hits"] == 0 and len([p for p in cache.iterdir() if len(p.name) == 32]) == 1
     second = AdapterManager(CFG, max_loras=2, max_lora_rank=8, disk_cache=cache)
-    s = second.acquire(_req(1, adapters))
+    dev2 = _device(second)
+    s = _acquire(second, dev2, _req(1, adapters))
     assert second.stats["disk_cache_hits"] == 1 and second.stats["conversions"] == 0
-    assert _slot_matches(second, s, adapters[1]) and _weights_equal(h.adapter, adapters[1])
+    assert _slot_matches(second, dev2, s, adapters[1]) and _weights_equal(h.adapter, adapters[1])
     # a copy of the same files elsewhere hits too; another max_lora_rank or base model misses
     import shutil
 
@@ -799,9 +996,10 @@ def test_disk_cache_damaged_entry_is_rebuilt(adapters, tmp_path, damage):
         meta["file_size"] = write_safetensors(st, tensors)
         (entry / "meta.json").write_text(json.dumps(meta))
     mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache)
-    s = mgr.acquire(_req(1, adapters))
+    dev = _device(mgr)
+    s = _acquire(mgr, dev, _req(1, adapters))
     assert mgr.stats["disk_cache_rebuilds"] == 1 and mgr.stats["conversions"] == 1
-    assert _slot_matches(mgr, s, adapters[1])
+    assert _slot_matches(mgr, dev, s, adapters[1])
     again = AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=cache)
     again.prepare(_req(1, adapters))
     assert again.stats["disk_cache_hits"] == 1 and again.stats["conversions"] == 0
@@ -827,11 +1025,16 @@ def test_disk_cache_off(adapters, tmp_path, monkeypatch):
 
 
 def test_host_cache_byte_bound_evicts_lru(adapters):
-    sizes = [read_peft_adapter(p, CFG).nbytes for p in adapters]
+    # An entry's bytes are the converted adapter's and its copy padded to the slot shape.
+    handles = [AdapterManager(CFG, max_loras=1, max_lora_rank=8).prepare(_req(i, adapters)) for i in range(5)]
+    padded = sum(a.nbytes for u in padded_update(None, CFG, 8).values() for a in u.values())
+    sizes = [h.nbytes for h in handles]
+    assert sizes == [read_peft_adapter(p, CFG).nbytes + padded for p in adapters]
     # room for a2 + a3 + a4 (the last three) but not for a1 as well
     bound = sizes[2] + sizes[3] + sizes[4]
     assert sizes[1] + bound > bound
     mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, max_cpu_loras=10, max_cpu_lora_bytes=bound)
+    dev = _device(mgr)
     for i in (1, 2, 3):
         mgr.prepare(_req(i, adapters))
     assert mgr.list_adapters() == ["a1", "a2", "a3"] and mgr.host_bytes() == sizes[1] + sizes[2] + sizes[3]
@@ -845,8 +1048,8 @@ def test_host_cache_byte_bound_evicts_lru(adapters):
     mgr.set_max_cpu_lora_bytes(1)
     h = mgr.prepare(_req(3, adapters))
     assert _weights_equal(h.adapter, adapters[3]) and mgr.list_adapters() == [] and mgr.host_bytes() == 0
-    s = mgr.acquire(_req(3, adapters))
-    assert _slot_matches(mgr, s, adapters[3])
+    s = _acquire(mgr, dev, _req(3, adapters))
+    assert _slot_matches(mgr, dev, s, adapters[3])
     for bad in (-1, 1.5, True, "1GB"):
         with pytest.raises(ValueError, match="max_cpu_lora_bytes"):
             AdapterManager(CFG, max_loras=1, max_lora_rank=8, max_cpu_lora_bytes=bad)
@@ -876,26 +1079,28 @@ def _blocking_reads(monkeypatch):
 
 def test_prepare_async_converts_without_blocking_acquire(adapters, monkeypatch):
     mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8, max_cpu_loras=4)
-    s0 = mgr.acquire(_req(0, adapters))  # resident before the slow conversions begin
+    dev = _device(mgr)
+    s0 = _acquire(mgr, dev, _req(0, adapters))  # resident before the slow conversions begin
     mgr.release(s0)
     gate, started, calls = _blocking_reads(monkeypatch)
     fut = mgr.prepare_async(_req(1, adapters))
     twin = mgr.prepare_async(_req(1, adapters))  # the same version: converted once
     assert started.wait(10) and not fut.done()
     # While a1 converts, the step loop's calls on resident adapters go through at once.
-    assert mgr.acquire(_req(0, adapters)) == s0
+    assert _acquire(mgr, dev, _req(0, adapters)) == s0
     mgr.release(s0)
     gate.set()
     handle = fut.result(10)
     assert twin.result(10).adapter is handle.adapter and len(calls) == 1
-    s1 = mgr.acquire(_req(1, adapters), handle)
-    assert _slot_matches(mgr, s1, adapters[1]) and mgr.stats["conversions"] == 2
+    s1 = _acquire(mgr, dev, handle)
+    assert _slot_matches(mgr, dev, s1, adapters[1]) and mgr.stats["conversions"] == 2
     done = mgr.prepare_async(_req(1, adapters))  # already converted: a finished Future, no new work
     assert done.done() and done.result().adapter is handle.adapter and len(calls) == 1
 
 
 def test_prepare_async_bad_adapter_fails_only_its_future(adapters, tmp_path):
     mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=4, max_cpu_loras=4)
+    dev = _device(mgr)
     write_peft(tmp_path / "big", r=8)
     (tmp_path / "torn").mkdir()
     write_peft(tmp_path / "torn", r=2)
@@ -910,5 +1115,5 @@ def test_prepare_async_bad_adapter_fails_only_its_future(adapters, tmp_path):
         torn.result(10)
     with pytest.raises(FileNotFoundError):  # a missing path is known at once
         mgr.prepare_async(LoRARequest("gone", 13, str(tmp_path / "gone")))
-    slot = mgr.acquire(_req(0, adapters), good.result(10))
-    assert _slot_matches(mgr, slot, adapters[0]) and mgr.list_adapters() == ["a0"]
+    slot = _acquire(mgr, dev, good.result(10))
+    assert _slot_matches(mgr, dev, slot, adapters[0]) and mgr.list_adapters() == ["a0"]

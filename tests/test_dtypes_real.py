@@ -82,7 +82,7 @@ def teacher_forced_logits(llm, ids_rows, adapters):
     assert (slots[[i for i, (_, r) in enumerate(batch) if r is not None]] >= 0).all()
     dtype = llm.engine.runner.kv_dtype
     logits, _ = llm.model(jnp.asarray(ids), jnp.asarray(pos), init_cache(llm.model.cfg, len(ids_rows), width, dtype),
-                          mgr.lora_state, jnp.asarray(slots))
+                          llm.engine.runner.lora_state, jnp.asarray(slots))
     return np.asarray(logits), pos >= 0
 
 

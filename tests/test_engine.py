@@ -202,6 +202,53 @@ def test_abort_frees_kv_blocks_and_slot(llm, tiny_adapters):
     assert not eng.has_unfinished()
 
 
+def test_the_step_thread_never_pads_an_adapter(llm, tiny_adapters, monkeypatch):
+    """Padding an adapter to the slot shape (padded_update: 78 MB of zeros per adapter at rank 64 on
+    SmolLM2) happens where it is converted: on the prepare_async worker, as the server does, or in
+    add_request's prepare; never inside a step. The writes a step applies are those padded copies."""
+    import threading
+
+    from jlora.adapters import manager as manager_mod
+
+    eng = llm.engine
+    calls, in_step, applied = [], threading.Event(), []
+    real_pad, real_step, real_write = manager_mod.padded_update, eng.step, eng.runner.write_slots
+
+    def pad(*args, **kwargs):
+        calls.append((threading.current_thread().name, in_step.is_set()))
+        return real_pad(*args, **kwargs)
+
+    def step():
+        in_step.set()
+        try:
+            return real_step()
+        finally:
+            in_step.clear()
+
+    def write_slots(writes):
+        applied.extend(writes)
+        return real_write(writes)
+
+    monkeypatch.setattr(manager_mod, "padded_update", pad)
+    monkeypatch.setattr(eng, "step", step)
+    monkeypatch.setattr(eng.runner, "write_slots", write_slots)
+    # Names no other test uses, so each is converted (and padded) here.
+    served = LoRARequest("pad-async", 701, str(tiny_adapters[5]))
+    handle = eng.adapters.prepare_async(served).result(60)
+    offline = LoRARequest("pad-offline", 702, str(tiny_adapters[6]))
+    before = compile_stats.compile_count()
+    ids = [eng.add_request("Hello there", greedy(6), served, lora_handle=handle),
+           eng.add_request("Once upon a time", greedy(6), offline)]
+    while eng.has_unfinished():
+        eng.step()
+    outs = [eng.pop_finished(i) for i in ids]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert [name.startswith("jlora-adapters") for name, _ in calls] == [True, False]  # worker, then add_request's
+    assert not any(during for _, during in calls)
+    assert any(w.update is handle.update for w in applied)  # the slot got the worker's padded copy as is
+    assert compile_stats.compile_count() == before
+
+
 def test_streaming_deltas_concatenate_to_the_text(llm):
     deltas = list(llm.generate_stream("Hello there", greedy(10)))
     full = llm.generate(["Hello there"], greedy(10))[0].outputs[0].text

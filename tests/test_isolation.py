@@ -126,13 +126,13 @@ def test_a_device_step_that_raises_is_retried_without_its_culprit(llm, tiny_adap
     refs = [_solo(llm, *b) for b in bystanders]
     real = eng.runner.step
 
-    def step(lora_state, batch):
+    def step(batch):
         if CULPRIT_SEED in batch["sampling"]["seeds"] and batch["sampling"]["counters"].max() >= 2:
             if lose_cache:
                 for x in eng.runner.cache.values():
                     x.delete()
             raise RuntimeError("XlaRuntimeError: INTERNAL: injected device failure")
-        return real(lora_state, batch)
+        return real(batch)
 
     monkeypatch.setattr(eng.runner, "step", step)
     failed, preempted = eng.num_failed_steps, eng.num_preemptions
@@ -147,6 +147,34 @@ def test_a_device_step_that_raises_is_retried_without_its_culprit(llm, tiny_adap
     assert compile_stats.compile_count() == compiles
     assert eng.kv.num_free == llm.config.num_kv_blocks and not eng.requests
     assert llm.generate(["Hello there"], greedy(20))[0].outputs[0].token_ids == refs[0]  # and it goes on serving
+
+
+def test_a_step_that_always_raises_fails_every_request_and_the_engine_serves_the_next(llm, tiny_adapters, monkeypatch):
+    """A device failure tied to no request (every step raises while it lasts): each request is tried
+    alone, then fails with the error; the KV blocks and slot pins come back, and once the device is
+    well again the next requests get their solo tokens with nothing recompiled."""
+    eng = llm.engine
+    bystanders = _bystanders(tiny_adapters)
+    refs = [_solo(llm, *b) for b in bystanders]
+    real, broken = eng.runner.step, [True]
+
+    def step(batch):
+        if broken[0]:
+            raise RuntimeError("XlaRuntimeError: INTERNAL: injected device failure for everyone")
+        return real(batch)
+
+    monkeypatch.setattr(eng.runner, "step", step)
+    failed = eng.num_failed_steps
+    compiles = compile_stats.compile_count()
+    outs = list(_run(eng, bystanders).values())
+    assert all(o.finished and o.outputs[0].finish_reason == "error" and "for everyone" in o.error for o in outs)
+    assert all(o.outputs[0].token_ids == [] for o in outs)
+    assert eng.num_failed_steps - failed == len(bystanders) + 1  # once together, then once each alone
+    assert eng.kv.num_free == llm.config.num_kv_blocks and not eng.requests
+    assert all(eng.adapters.pins(s) == 0 for s in range(llm.config.max_loras))
+    broken[0] = False
+    assert [o.outputs[0].token_ids for o in _run(eng, bystanders).values()] == refs
+    assert compile_stats.compile_count() == compiles
 
 
 def test_abort_of_a_request_with_many_samples_is_linear(llm, monkeypatch):

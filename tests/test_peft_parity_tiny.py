@@ -20,7 +20,7 @@ import torch
 import transformers
 from flax import nnx
 
-from jlora.adapters import AdapterManager, LoRARequest, padded_update, read_peft_adapter, set_slot
+from jlora.adapters import AdapterManager, LoRARequest, LoRASlots, padded_update, read_peft_adapter, set_slot
 from jlora.models import build_model, init_cache, init_lora_state, read_hf_checkpoint
 
 MAX_RANK = 8
@@ -137,24 +137,28 @@ def test_mixed_batch_matches_peft(setup):
 
 
 def test_manager_path_matches_peft(setup):
-    """The same through AdapterManager.acquire (PEFT dirs straight from LoRARequest), one slot short."""
+    """The same through AdapterManager (PEFT dirs straight from LoRARequest: prepare, acquire the
+    handle, the queued writes applied to the slot arrays as the runner does), one slot short."""
     root, cfg, jmodel, pm = setup
     mgr = AdapterManager(cfg, max_loras=3, max_lora_rank=MAX_RANK)
+    dev = LoRASlots(cfg, 3, MAX_RANK)
     rows = ["layers", "regex_rslora", None, "list"]
-    slots = [mgr.acquire(None if r is None else LoRARequest(r, list(ADAPTERS).index(r) + 1, str(root / r)))
+    slots = [mgr.acquire(None if r is None else mgr.prepare(LoRARequest(r, list(ADAPTERS).index(r) + 1, str(root / r))))
              for r in rows]
+    dev.write(mgr.take_writes())
     tokens = _tokens(len(rows), 6)
-    got = _jlora_logits(jmodel, cfg, mgr.lora_state, tokens, slots)
+    got = _jlora_logits(jmodel, cfg, dev.state, tokens, slots)
     want = _peft_logits(pm, tokens, ["__base__" if r is None else r for r in rows])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     # evict "layers" for "all_linear_patterns" and run again
     mgr.release(slots[0])
-    slots[0] = mgr.acquire(LoRARequest("all_linear_patterns", 9, str(root / "all_linear_patterns")))
+    slots[0] = mgr.acquire(mgr.prepare(LoRARequest("all_linear_patterns", 9, str(root / "all_linear_patterns"))))
+    dev.write(mgr.take_writes())
     rows[0] = "all_linear_patterns"
-    got = _jlora_logits(jmodel, cfg, mgr.lora_state, tokens, slots)
+    got = _jlora_logits(jmodel, cfg, dev.state, tokens, slots)
     want = _peft_logits(pm, tokens, ["__base__" if r is None else r for r in rows])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    jax.block_until_ready(mgr.lora_state)
+    jax.block_until_ready(dev.state)
 
 
 @pytest.mark.parametrize("impl", ["gather", "laned", "grouped", "pallas"])

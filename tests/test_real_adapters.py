@@ -86,14 +86,16 @@ def test_mixed_batch_matches_peft_per_adapter(real_llm, hf_real, peft_adapters):
         ref_tokens, ref_logits = peft_greedy_and_logits(hf_real, peft_adapters[req.lora_name], ids, 24)
         assert out.outputs[0].token_ids == ref_tokens, (req.lora_name, prompt)
         # Last-prompt-position logits with this adapter in its slot, through the jitted engine weights.
-        slot = real_llm.engine.adapters.acquire(req)
+        eng = real_llm.engine
+        slot = eng.adapters.acquire(eng.adapters.prepare(req))
+        eng.runner.write_slots(eng.adapters.take_writes())  # as before a step
         try:
             t = len(ids)
             logits, _ = real_llm.model(
                 jnp.asarray([ids], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], init_cache(real_llm.model.cfg, 1, t),
-                real_llm.engine.adapters.lora_state, jnp.array([slot], jnp.int32), jnp.array([t - 1]))
+                eng.runner.lora_state, jnp.array([slot], jnp.int32), jnp.array([t - 1]))
         finally:
-            real_llm.engine.adapters.release(slot)
+            eng.adapters.release(slot)
         np.testing.assert_allclose(np.asarray(logits[0]), ref_logits, rtol=0, atol=2e-3)
 
 

@@ -9,7 +9,7 @@ from jlora.adapters.request import LoRARequest
 
 _LAZY = {
     "AdapterManager": "manager", "NoFreeSlotError": "manager", "padded_update": "manager", "set_slot": "manager",
-    "slot_module": "manager",
+    "slot_module": "manager", "AdapterHandle": "manager", "LoRASlots": "manager", "SlotWrite": "manager",
     "LoRAAdapter": "peft", "convert": "peft", "convert_main": "peft", "convert_peft_state_dict": "peft",
     "load_adapter": "peft",
     "read_adapter": "peft", "read_peft_adapter": "peft", "save_adapter": "peft",

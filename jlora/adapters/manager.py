@@ -12,12 +12,24 @@ lanes [s*R, s*R + r), its B in rows [0, r) of its own output columns, zeros else
 already zero-padded to R on the host, so one compiled graph serves every slot, adapter and rank;
 the old state is donated, so there is never a second copy of it in memory.
 
+Device state has one owner. `LoRASlots` holds the slot arrays (`lora_state`) and is the only
+thing that writes them; the engine's ModelRunner holds it, beside the weights and the KV cache.
+AdapterManager is host-side bookkeeping: which adapter version is in which slot, pins, LRU, the
+host cache. `acquire(handle)` assigns a slot and queues a `SlotWrite` (slot index + the update,
+already padded); the scheduler hands the queue to the step plan (`take_writes`) and the runner
+applies it right before the step that reads those slots. The padding (`padded_update`, 78 MB of
+zeros per adapter at rank 64 on SmolLM2) happens where the adapter is converted (`prepare`, on
+the `prepare_async` worker for the server) and is kept in the handle, which is also the host
+cache's entry: a slot miss on the step thread copies nothing on the host. Measured (SmolLM2, rank
+64, 2 busy cores): padding 76 ms, the slot write 59 ms, so a miss costs the step ~59 ms, not ~135.
+
 AdapterManager keeps a host LRU cache of converted adapters, bounded in count (`max_cpu_loras`)
-and optionally in bytes (`max_cpu_lora_bytes`), and N device slots. Below the host cache sits an
-optional disk cache of converted adapters keyed by content (`disk_cache`, see
+and optionally in bytes (`max_cpu_lora_bytes`, counting each entry's padded copy too). Below the
+host cache sits an optional disk cache of converted adapters keyed by content (`disk_cache`, see
 `jlora.adapters.disk_cache`), so a restart or a second engine reads instead of converting.
-`acquire(req)` pins a slot holding the request's adapter (loading it if needed, evicting the least
-recently used unpinned slot); `release(slot)` unpins it (pins are counted).
+`prepare(req)` converts and returns an `AdapterHandle`; `acquire(handle)` pins a slot holding that
+version (reusing it if resident, else taking a free slot or evicting the least recently used
+unpinned one); `release(slot)` unpins it (pins are counted).
 
 Versions. A name is one adapter. A request for a known name whose lora_int_id or lora_path
 differs, or whose files changed on disk (mtime/size) since they were read, or (for an adapter
@@ -40,7 +52,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +68,8 @@ from jlora.adapters.peft import (
 from jlora.adapters.request import LoRARequest
 from jlora.engine.config import default_max_cpu_loras
 from jlora.models import quant
-from jlora.models.config import PACKED_MODULES, LlamaConfig
-from jlora.models.llama import LORA_MODULES, LoRAState, host_zeros, init_lora_state, lora_state_modules
+from jlora.models.config import LORA_MODULES, PACKED_MODULES, LlamaConfig
+from jlora.models.llama import LoRAState, host_zeros, init_lora_state, lora_state_modules
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +103,12 @@ def set_slot(
     Every module of `lora_state` must be in `update` (zeros for modules an adapter lacks), so a
     write also clears what the slot held before. Host arrays are cast to the state's dtype first.
     """
+    slot, upd = _checked_write(lora_state, slot, update)
+    return _set_slot_jit(lora_state, slot, upd)
+
+
+def _checked_write(lora_state: LoRAState, slot: Any, update: dict) -> tuple[Any, dict]:
+    """`set_slot`'s argument checks; the slot as an int32 scalar and the update in the state's dtype."""
     if set(update) != set(lora_state):
         raise ValueError(f"set_slot: update has modules {sorted(update)}, lora_state has {sorted(lora_state)}")
     n = next(iter(lora_state.values()))["A"].shape[1]
@@ -116,14 +134,15 @@ def set_slot(
             raise ValueError(f"set_slot: update[{m!r}]['B'] has shape {tuple(u['B'].shape)}, expected {want_b} "
                              f"[L, R, out] (padded_update lays an adapter out)")
         upd[m] = {k: _as_dtype(u[k], s[k].dtype) for k in ("A", "B")}
-    return _set_slot_jit(lora_state, slot, upd)
+    return slot, upd
 
 
 def _as_dtype(x: Any, dtype: Any) -> Any:
     if dtype == jnp.uint16:  # a bf16 state kept as its bits (jlora.models.quant.storage_dtype)
         if isinstance(x, jax.Array):
             return x if x.dtype == dtype else lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-        return np.asarray(x, dtype=jnp.bfloat16).view(np.uint16)
+        x = np.asarray(x)
+        return x if x.dtype == np.uint16 else np.asarray(x, dtype=jnp.bfloat16).view(np.uint16)  # bits already, or bf16
     if isinstance(x, jax.Array):
         return x if x.dtype == dtype else x.astype(dtype)
     return np.asarray(x, dtype=dtype)
@@ -147,12 +166,7 @@ def padded_update(
     L = model_cfg.num_hidden_layers
     dtype = np.dtype(dtype)
     if adapter is not None:
-        extra = sorted(set(adapter.weights) - set(modules))
-        if extra:
-            raise ValueError(f"adapter {adapter.name!r} targets modules {extra} that this engine's LoRA state does "
-                             f"not hold (it holds {list(modules)})")
-        if adapter.rank > max_rank:
-            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, above max_lora_rank={max_rank}")
+        adapter.validate(model_cfg, max_rank, holds=tuple(modules))
     out = {}
     for f in lora_state_modules(modules):
         d_in, outs = shapes[f]
@@ -184,6 +198,49 @@ def slot_module(
     return a[:, :, s * r:(s + 1) * r], b[:, :, col:col + outs[s]]
 
 
+SlotUpdate = dict  # packed module -> {"A": [L, in, S*R], "B": [L, R, out]}, host arrays in the slots' storage dtype
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SlotWrite:
+    """One queued write: `update` (already padded, `padded_update`) goes into slot `slot`."""
+
+    slot: int
+    update: SlotUpdate
+
+
+class LoRASlots:
+    """The device side of N adapter slots: `state`, the one `lora_state` pytree the step reads, and
+    the one way it changes, `write(writes)`: queued `SlotWrite`s, each through the one compiled,
+    donated `set_slot` graph. The engine's ModelRunner holds one, beside the weights and KV cache."""
+
+    def __init__(self, model_cfg: LlamaConfig, max_loras: int, max_lora_rank: int, dtype: Any = jnp.float32,
+                 modules: tuple[str, ...] = LORA_MODULES):
+        self.state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, quant.storage_dtype(dtype),
+                                                tuple(modules), zeros=host_zeros)
+        self.num_writes = 0
+        self._write = None  # the compiled set_slot (warmup, or the first write)
+
+    def _compiled(self):
+        if self._write is None:
+            upd = {m: {k: jax.ShapeDtypeStruct(v.shape[:1] + v.shape[2:], v.dtype) for k, v in s.items()}
+                   for m, s in self.state.items()}
+            with compile_stats.stage("set_slot"):
+                self._write = _set_slot_jit.lower(self.state, np.int32(0), upd).compile()
+        return self._write
+
+    def warmup(self) -> None:
+        """Compile the slot write now; writes nothing."""
+        self._compiled()
+
+    def write(self, writes: Sequence[SlotWrite]) -> None:
+        """Apply `writes` in order (a later write to a slot wins); the old state is donated."""
+        for w in writes:
+            slot, upd = _checked_write(self.state, w.slot, w.update)
+            self.state = self._compiled()(self.state, slot, upd)
+            self.num_writes += 1
+
+
 # ---- the manager ----------------------------------------------------------------------------------------
 
 _Version = tuple  # (name, int_id, resolved path or "<memory>", file fingerprint or (content_hash,))
@@ -192,20 +249,31 @@ MEMORY = "<memory>"
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AdapterHandle:
-    """One adapter version as converted when a request arrived. A request holds its handle, so a
-    preempted request that is admitted again gets the same weights even if the files changed."""
+    """One adapter version as converted when a request arrived, with its slot-shaped copy. A request
+    holds its handle, so a preempted request that is admitted again gets the same weights even if
+    the files changed; the host cache keeps handles, so the padding is done once per conversion."""
 
     version: _Version
     adapter: LoRAAdapter
+    update: SlotUpdate  # `adapter` padded to the slot shape in the slots' dtype: what a slot write sends
+
+    @property
+    def name(self) -> str:
+        return self.version[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes: the converted adapter and its padded copy."""
+        return self.adapter.nbytes + sum(x.nbytes for u in self.update.values() for x in u.values())
 
 
 @dataclasses.dataclass
 class _Slot:
     version: _Version
+    handle: AdapterHandle  # what it was written from
     pins: int = 0
     last_used: int = 0
     stale: bool = False  # an older version of its name: never handed out again, freed when unpinned
-    adapter: LoRAAdapter | None = None  # the host copy it was written from
 
     @property
     def name(self) -> str:
@@ -266,10 +334,10 @@ class AdapterManager:
         self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         self.modules = tuple(modules)
-        self.lora_state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, quant.storage_dtype(dtype),
-                                                     self.modules, zeros=host_zeros)
+        self._storage_dtype = quant.storage_dtype(dtype)
         self._slots: list[_Slot | None] = [None] * max_loras
-        self._host: collections.OrderedDict[_Version, LoRAAdapter] = collections.OrderedDict()
+        self._writes: dict[int, SlotWrite] = {}  # slot -> its queued write (take_writes)
+        self._host: collections.OrderedDict[_Version, AdapterHandle] = collections.OrderedDict()
         self._current: dict[str, _Version] = {}  # name -> its newest version seen
         self._unloads: dict[str, int] = {}  # name -> how often it was unloaded (prepare checks it did not change)
         self._clock = 0
@@ -277,7 +345,7 @@ class AdapterManager:
         self._converting: dict[_Version, concurrent.futures.Future] = {}  # conversions in flight (prepare)
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # prepare_async's thread, made on first use
         # disk_loads (host-cache misses: read from the disk cache or converted), conversions, host_hits,
-        # host_evictions, disk_cache_hits / _misses / _rebuilds, slot_hits, slot_writes, evictions
+        # host_evictions, disk_cache_hits / _misses / _rebuilds, slot_hits, slot_writes (queued), evictions
         self.stats = collections.Counter()
         self._host_bytes = 0
         self.max_cpu_lora_bytes: int | None = None
@@ -310,22 +378,16 @@ class AdapterManager:
                 self.disk_cache_dir = Path(disk_cache)
 
     def host_bytes(self) -> int:
-        """Bytes of converted adapters in the host cache (what `max_cpu_lora_bytes` bounds)."""
+        """Bytes of the host cache: converted adapters and their padded copies (what
+        `max_cpu_lora_bytes` bounds)."""
         with self._lock:
             return self._host_bytes
 
     # ---- public API -----------------------------------------------------------------------------------
 
-    def warmup(self) -> None:
-        """Compile `set_slot` now (writes zeros into a free slot; a no-op once anything is loaded)."""
-        with self._lock:
-            free = [i for i, s in enumerate(self._slots) if s is None]
-            if free:
-                self._write(free[0], None)
-
     def prepare(self, req: LoRARequest) -> AdapterHandle:
-        """Read and convert `req`'s adapter (the host cache is used and filled) and return a handle
-        to exactly this version, for `acquire(req, handle)`.
+        """Read and convert `req`'s adapter, pad it to the slot shape (the host cache is used and
+        filled) and return a handle to exactly this version, for `acquire(handle)`.
 
         Touches no slot. Raises ValueError / FileNotFoundError for a bad adapter, so a caller can
         reject a request up front instead of when it is scheduled. The conversion runs without the
@@ -337,16 +399,16 @@ class AdapterManager:
         with self._lock:
             self._check_int_id(req)
             unloads = self._unloads.get(req.lora_name, 0)  # an unload while converting must stay unloaded
-            adapter = self._cached(version)
-            pending = None if adapter is not None else self._converting.get(version)
-            mine = adapter is None and pending is None
+            handle = self._cached(version)
+            pending = None if handle is not None else self._converting.get(version)
+            mine = handle is None and pending is None
             if mine:
                 pending = self._converting[version] = concurrent.futures.Future()
-        if adapter is None and not mine:
-            adapter = pending.result()  # another thread is converting it (its error is ours too)
+        if handle is None and not mine:
+            handle = pending.result()  # another thread is converting it (its error is ours too)
         elif mine:
             try:
-                adapter = self._convert(version, req)
+                handle = self._convert(version, req)
             except BaseException as e:
                 with self._lock:
                     del self._converting[version]
@@ -355,14 +417,14 @@ class AdapterManager:
             with self._lock:
                 del self._converting[version]
                 if self._unloads.get(req.lora_name, 0) == unloads:
-                    self._store(version, adapter)
-            pending.set_result(adapter)
+                    self._store(version, handle)
+            pending.set_result(handle)
         with self._lock:
             # Unloaded meanwhile: the handle still serves the request that asked (as a retired
             # version), but the name is not brought back.
             if self._unloads.get(req.lora_name, 0) == unloads:
                 self._current[req.lora_name] = version
-        return AdapterHandle(version, adapter)
+        return handle
 
     def prepare_async(self, req: LoRARequest) -> concurrent.futures.Future:
         """`prepare(req)` on the manager's background worker: a Future of the AdapterHandle, done at
@@ -383,51 +445,20 @@ class AdapterManager:
             return fut
         return self._worker.submit(self.prepare, req)
 
-    def acquire(self, req: LoRARequest | None, handle: AdapterHandle | None = None,
-                protect: Collection[str] = ()) -> int:
-        """A pinned device slot holding `req`'s adapter (-1 for None = base model).
+    def acquire(self, handle: AdapterHandle | None, protect: Collection[str] = ()) -> int:
+        """A pinned slot holding exactly `handle`'s version (from `prepare`); -1 for None (base model).
 
-        Reuses the slot if the adapter is resident; otherwise loads it (host cache, else disk)
-        into a free slot or the least recently used unpinned one. Raises NoFreeSlotError when all
-        slots are pinned, and ValueError/FileNotFoundError for a bad adapter; in both cases no
-        slot changes.
-
-        With a `handle` (from `prepare`), the slot holds exactly that version, read nothing from
-        disk: if the name has moved on to a newer version (or was unloaded), the slot is written
-        as a retired one that only this and other holders of the handle's version use.
+        Reuses the slot if that version is resident (current or retired); otherwise takes a free
+        slot, else the least recently used unpinned one, and queues its write (`take_writes`): the
+        device state changes only when the runner applies the queue. If the name has moved on to
+        a newer version (or was unloaded), the slot is written as a retired one that only holders
+        of this handle use. Raises NoFreeSlotError when every slot is pinned; nothing changes then.
         `protect`: adapter names still needed soon (the queue's); their unpinned slots are evicted last.
         """
-        if req is None:
+        if handle is None:
             return -1
-        self._check_request(req)
-        if handle is not None:
-            return self._acquire_handle(req, handle, protect)
-        with self._lock:
-            version = self._version(req)
-            self._check_int_id(req)
-            for i, s in enumerate(self._slots):
-                if s is not None and not s.stale and s.version == version:
-                    s.pins += 1
-                    s.last_used = self._tick()
-                    self.stats["slot_hits"] += 1
-                    return i
-            # An unpinned older version of this name will be retired: its slot counts as free.
-            victim = self._pick_slot(also_free=lambda s: s.name == req.lora_name, protect=protect)
-            if victim is None:
-                raise NoFreeSlotError(
-                    f"all {self.max_loras} adapter slots are pinned by running requests "
-                    f"({', '.join(repr(s.name) for s in self._slots if s is not None)}); cannot load "
-                    f"{req.lora_name!r} until one is released (or raise max_loras)")
-            adapter = self._load(version, req)  # may raise: nothing has changed yet
-            update = padded_update(adapter, self.model_cfg, self.max_lora_rank, self.modules, self.dtype)
-            self._retire_other_versions(version)
-            self._current[req.lora_name] = version
-            self._write_pinned(victim, version, update, stale=False, adapter=adapter)
-            return victim
-
-    def _acquire_handle(self, req: LoRARequest, handle: AdapterHandle, protect: Collection[str] = ()) -> int:
-        if handle.version[0] != req.lora_name:
-            raise ValueError(f"acquire: handle is for adapter {handle.version[0]!r}, request names {req.lora_name!r}")
+        if not isinstance(handle, AdapterHandle):
+            raise ValueError(f"acquire: expected an AdapterHandle (from prepare) or None, got {type(handle).__name__}")
         with self._lock:
             version = handle.version
             for i, s in enumerate(self._slots):  # resident, current or retired
@@ -436,23 +467,30 @@ class AdapterManager:
                     s.last_used = self._tick()
                     self.stats["slot_hits"] += 1
                     return i
-            current = self._current.get(req.lora_name) == version
-            victim = self._pick_slot(also_free=lambda s: current and s.name == req.lora_name, protect=protect)
+            current = self._current.get(handle.name) == version
+            # An unpinned older version of a current name will be retired: its slot counts as free.
+            victim = self._pick_slot(also_free=lambda s: current and s.name == handle.name, protect=protect)
             if victim is None:
                 raise NoFreeSlotError(
-                    f"all {self.max_loras} adapter slots are pinned by running requests; cannot load "
-                    f"{req.lora_name!r} until one is released (or raise max_loras)")
-            update = padded_update(handle.adapter, self.model_cfg, self.max_lora_rank, self.modules, self.dtype)
+                    f"all {self.max_loras} adapter slots are pinned by running requests "
+                    f"({', '.join(repr(s.name) for s in self._slots if s is not None)}); cannot load "
+                    f"{handle.name!r} until one is released (or raise max_loras)")
             if current:
                 self._retire_other_versions(version)
-            self._write_pinned(victim, version, update, stale=not current, adapter=handle.adapter)
+            if self._slots[victim] is not None:
+                self.stats["evictions"] += 1
+            self._writes[victim] = SlotWrite(victim, handle.update)  # a write queued earlier for it is void
+            self.stats["slot_writes"] += 1
+            self._slots[victim] = _Slot(version, handle, pins=1, last_used=self._tick(), stale=not current)
             return victim
 
-    def _write_pinned(self, slot: int, version: _Version, update: dict, stale: bool, adapter: LoRAAdapter) -> None:
-        if self._slots[slot] is not None:
-            self.stats["evictions"] += 1
-        self._write(slot, update)
-        self._slots[slot] = _Slot(version, pins=1, last_used=self._tick(), stale=stale, adapter=adapter)
+    def take_writes(self) -> tuple[SlotWrite, ...]:
+        """The slot writes queued since the last call (one per slot, the latest), emptying the queue.
+        The scheduler puts them in the next step plan; the runner applies them before that step."""
+        with self._lock:
+            writes = tuple(self._writes.values())
+            self._writes.clear()
+            return writes
 
     def release(self, slot: int) -> None:
         """Unpin one acquire of `slot` (-1 is the base model: a no-op)."""
@@ -550,44 +588,34 @@ class AdapterManager:
                 best, best_key = i, key
         return best
 
-    def _load(self, version: _Version, req: LoRARequest) -> LoRAAdapter:
-        """The converted adapter from the host cache, else converted and cached (called under the lock)."""
-        adapter = self._cached(version)
-        if adapter is None:
-            adapter = self._convert(version, req)
-            self._store(version, adapter)
-        return adapter
-
-    def _cached(self, version: _Version, touch: bool = True) -> LoRAAdapter | None:
-        """`version` as already converted: a slot's host copy or the host cache (under the lock).
+    def _cached(self, version: _Version, touch: bool = True) -> AdapterHandle | None:
+        """`version` as already converted: a slot's handle or the host cache's (under the lock).
         `touch`: count a host-cache hit and mark it recently used."""
         for s in self._slots:
-            if s is not None and s.version == version and s.adapter is not None:
-                return s.adapter
-        adapter = self._host.get(version)
-        if adapter is not None and touch:
+            if s is not None and s.version == version:
+                return s.handle
+        handle = self._host.get(version)
+        if handle is not None and touch:
             self._host.move_to_end(version)
             self.stats["host_hits"] += 1
-        return adapter
+        return handle
 
-    def _convert(self, version: _Version, req: LoRARequest) -> LoRAAdapter:
-        """Read (disk cache) or convert `req`'s adapter and check it fits; needs no lock."""
+    def _convert(self, version: _Version, req: LoRARequest) -> AdapterHandle:
+        """Read (disk cache) or convert `req`'s adapter, check it fits and pad it to the slot shape;
+        needs no lock, and runs on the thread that prepares (the worker, for `prepare_async`)."""
         adapter = self._read_source(version, req)
-        extra = sorted(set(adapter.weights) - set(self.modules))
-        if extra:
-            where = "in memory" if req.in_memory else f"at {req.lora_path!r}"
-            raise ValueError(f"adapter {req.lora_name!r} {where} targets modules {extra} that this "
-                             f"engine's LoRA state does not hold ({list(self.modules)})")
+        update = padded_update(adapter, self.model_cfg, self.max_lora_rank, self.modules, self.dtype)  # checks fit
+        update = {m: {k: _as_dtype(x, self._storage_dtype) for k, x in u.items()} for m, u in update.items()}
         self._count("disk_loads")
-        return adapter
+        return AdapterHandle(version, adapter, update)
 
-    def _store(self, version: _Version, adapter: LoRAAdapter) -> None:
+    def _store(self, version: _Version, handle: AdapterHandle) -> None:
         """Put a converted adapter into the host cache (under the lock); older versions of its name leave."""
         if self.max_cpu_loras > 0 and version not in self._host:
             for v in [v for v in self._host if v[0] == version[0] and v != version]:
                 self._host_drop(v)
-            self._host[version] = adapter
-            self._host_bytes += adapter.nbytes
+            self._host[version] = handle
+            self._host_bytes += handle.nbytes
             self._evict_host()
 
     def _count(self, key: str) -> None:
@@ -663,9 +691,4 @@ class AdapterManager:
                 else:
                     s.stale = True
 
-    def _write(self, slot: int, update: dict[str, dict[str, np.ndarray]] | None) -> None:
-        if update is None:
-            update = padded_update(None, self.model_cfg, self.max_lora_rank, self.modules, self.dtype)
-        with compile_stats.stage("set_slot"):  # so a lazy first compile is reported under its stage too
-            self.lora_state = set_slot(self.lora_state, slot, update)
-        self.stats["slot_writes"] += 1
+

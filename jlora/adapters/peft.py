@@ -51,12 +51,8 @@ JLORA_ADAPTER_META = "jlora_adapter.json"  # marks a directory written by `save_
 JLORA_ADAPTER_FORMAT = "jlora-lora-adapter"
 JLORA_ADAPTER_VERSION = 1
 
-# Module name -> its parent block in HF Llama naming.
-MODULE_PARENT = {
-    "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
-}
-MODULES = tuple(MODULE_PARENT)
+# The modules and their parent blocks are `jlora.models.config.LORA_MODULES` / `MODULE_PARENT`
+# (imported where a model config is at hand: importing this file must not import Flax).
 
 # Config fields that change the forward pass in ways jlora does not implement: reject when set.
 _UNSUPPORTED_FIELDS = {
@@ -80,7 +76,7 @@ _BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "lora_ga")
 _AB_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
 _LAYER_MODULE = re.compile(
     r"^(?P<prefix>(?:.*\.)?)layers\.(?P<idx>\d+)\."
-    r"(?P<parent>self_attn|mlp)\.(?P<module>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+    r"(?P<parent>self_attn|mlp)\.(?P<module>\w+)$"  # a module of MODULE_PARENT
 )
 
 
@@ -114,16 +110,20 @@ class LoRAAdapter:
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
-    def validate(self, model_cfg: LlamaConfig, max_lora_rank: int | None = None) -> None:
-        """Raise ValueError unless every array fits `model_cfg` and ranks fit `max_lora_rank`."""
-        shapes = model_cfg.module_shapes()
-        L = model_cfg.num_hidden_layers
+    def validate(self, model_cfg: LlamaConfig, max_lora_rank: int | None = None,
+                 holds: Sequence[str] | None = None) -> None:
+        """Raise ValueError unless every array fits `model_cfg`, the modules are known (and in `holds`,
+        the modules an engine's LoRA state holds, when given) and ranks fit `max_lora_rank`."""
+        from jlora.models.config import check_lora_fit
+
+        where = f"adapter {self.name!r}" + (f" ({self.source})" if self.source else "")
         if set(self.ranks) != set(self.weights):
             raise ValueError(f"adapter {self.name!r}: ranks name modules {sorted(self.ranks)} but weights "
                              f"name {sorted(self.weights)}")
+        check_lora_fit(where, self.ranks, max_lora_rank, holds)
+        shapes = model_cfg.module_shapes()
+        L = model_cfg.num_hidden_layers
         for m, (a, b) in self.weights.items():
-            if m not in shapes:
-                raise ValueError(f"adapter {self.name!r}: unknown module {m!r}; known: {list(shapes)}")
             d_in, d_out = shapes[m]
             r = self.ranks[m]
             if a.shape != (L, d_in, r):
@@ -132,9 +132,6 @@ class LoRAAdapter:
             if b.shape != (L, r, d_out):
                 raise ValueError(f"adapter {self.name!r}: {m}.B has shape {b.shape}, expected {(L, r, d_out)} "
                                  f"(layers, rank, out_features) for this base model")
-            if max_lora_rank is not None and r > max_lora_rank:
-                raise ValueError(f"adapter {self.name!r}: module {m} has rank {r}, above max_lora_rank="
-                                 f"{max_lora_rank}")
 
 
 # ---- reading PEFT files -----------------------------------------------------------------------------
@@ -418,6 +415,8 @@ def _convert(
     config_name: str,
 ) -> LoRAAdapter:
     """PEFT tensors + config -> LoRAAdapter: the one conversion both the files and memory go through."""
+    from jlora.models.config import LORA_MODULES, MODULE_PARENT, check_lora_fit
+
     if not tensors:
         raise ValueError(f"{file} holds no tensors")
 
@@ -441,7 +440,7 @@ def _convert(
         if m.group("adapter"):
             adapter_names.add(m.group("adapter"))
         idx, mod = int(lm.group("idx")), lm.group("module")
-        if MODULE_PARENT[mod] != lm.group("parent"):
+        if MODULE_PARENT.get(mod) != lm.group("parent"):
             raise _reject_tensor(key, file)
         if idx >= L:
             raise ValueError(f"{file}: tensor {key!r} is for layer {idx}, but the base model has {L} layers")
@@ -484,8 +483,7 @@ def _convert(
         full = names[(i, mod)]
         r, alpha = module_rank_alpha(config, full)
         d_in, d_out = shapes[mod]
-        if max_lora_rank is not None and r > max_lora_rank:
-            raise ValueError(f"{where}: module {full!r} has rank r={r}, above max_lora_rank={max_lora_rank}")
+        check_lora_fit(where, {full: r}, max_lora_rank)
         (ka, a), (kb, b) = ab["A"], ab["B"]
         if a.shape != (r, d_in):
             raise ValueError(f"{file}: tensor {ka!r} has shape {tuple(a.shape)}, expected {(r, d_in)} "
@@ -500,7 +498,7 @@ def _convert(
         ranks[mod] = max(ranks.get(mod, 0), r)
 
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for mod in MODULES:
+    for mod in LORA_MODULES:
         if mod not in per_module:
             continue
         r_m = ranks[mod]

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jlora.adapters.manager import AdapterManager, padded_update, set_slot
+from jlora.adapters.manager import LoRASlots, padded_update, set_slot
 from jlora.adapters.peft import read_adapter
 from jlora.bench.peft_adapters import write_peft_adapter
 from jlora.models.llama import LORA_MODULES
@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     cfg = read_model_config()
-    manager = AdapterManager(cfg, max_loras=args.slots, max_lora_rank=args.max_lora_rank, max_cpu_loras=8)
-    manager.warmup()  # compiles set_slot once
-    state_mb = sum(x.nbytes for x in jax.tree.leaves(manager.lora_state)) / 1e6
+    slots = LoRASlots(cfg, args.slots, args.max_lora_rank)  # the slot arrays a ModelRunner holds
+    slots.warmup()  # compiles set_slot once
+    state_mb = sum(x.nbytes for x in jax.tree.leaves(slots.state)) / 1e6
     print(f"lora_state: {args.slots} slots x rank {args.max_lora_rank}, {state_mb:.0f} MB")
     print("| adapter rank | file MB | disk -> host (ms) | host -> device set_slot (ms) | slot MB written |")
     print("|---:|---:|---:|---:|---:|")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             write_peft_adapter(path, cfg, rank, LORA_MODULES, np.random.default_rng(rank))
             file_mb = (path / "adapter_model.safetensors").stat().st_size / 1e6
             host, device = [], []
-            state = manager.lora_state
+            state = slots.state
             for k in range(args.repeats):
                 t = time.perf_counter()
                 adapter = read_adapter(path, cfg, args.max_lora_rank)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = set_slot(state, k % args.slots, update)
                 jax.block_until_ready(state)
                 device.append(time.perf_counter() - t)
-            manager.lora_state = state
+            slots.state = state
             slot_mb = sum(a.nbytes for u in update.values() for a in u.values()) / 1e6
             print(f"| {rank} | {file_mb:.1f} | {statistics.median(host) * 1e3:.0f} | "
                   f"{statistics.median(device) * 1e3:.1f} | {slot_mb:.0f} |")

@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for n in args.step_slots:
             print(f"bench adapters: decode step, max_loras={n}", flush=True)
             llm = get_llm(n)
-            entry = {"lora_state_mb": sum(x.nbytes for leaf in llm.engine.adapters.lora_state.values()
+            entry = {"lora_state_mb": sum(x.nbytes for leaf in llm.engine.runner.lora_state.values()
                                           for x in leaf.values()) / 1e6,
                      "none": decode_step_ms(llm, rows, [None] * len(rows))}
             for distinct in (1, 4, 16):

@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                       decode_row_buckets=(args.rows,))
         eng = llm.engine
         paths = paths or write_adapters(root, eng.adapters.model_cfg)
-        slots = [eng.adapters.acquire(mod.LoRARequest(p.name, i + 1, str(p))) for i, p in enumerate(paths)]
+        slots = [eng.adapters.acquire(eng.adapters.prepare(mod.LoRARequest(p.name, i + 1, str(p))))
+                 for i, p in enumerate(paths)]
+        eng.runner.write_slots(eng.adapters.take_writes())
         batch = eng.runner.empty_batch((args.rows, 0, 0))
         rng = np.random.default_rng(0)
         c = eng.runner.config
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         mixed = {**batch, "slot_ids": np.array([slots[i % 4] for i in range(args.rows)], np.int32)}
         base = {**batch, "slot_ids": np.full((args.rows,), -1, np.int32)}
         for name, b in (("mixed", mixed), ("base", base)):
-            fn = (lambda eng, b: lambda: eng.runner.step(eng.adapters.lora_state, b))(eng, b)
+            fn = (lambda eng, b: lambda: eng.runner.step(b))(eng, b)
             fn()  # compiled at start-up; once more to settle
             calls.append((pkg, name, fn))
     times: dict[tuple[str, str], list[float]] = {(pkg, name): [] for pkg, name, _ in calls}

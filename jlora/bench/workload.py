@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     roof = measure_roofline()
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.state))
-    lora_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.adapters.lora_state))
+    lora_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.lora_state))
     flops_per_token = 2 * weight_bytes / 4
     steps_per_s = roof["mem_gbps"] * 1e9 / (weight_bytes + lora_bytes)
     result["roofline"] = {**roof, "weight_mb": weight_bytes / 1e6, "lora_state_mb": lora_bytes / 1e6,

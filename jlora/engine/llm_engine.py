@@ -224,6 +224,7 @@ class LLMEngine:
             plan = self.scheduler.schedule(self._is_live)
             if plan is None:
                 return [req.to_output() for req in touched.values()]
+            self.runner.write_slots(plan.slot_writes)  # before anything of the plan can fail: the slots are assigned
             try:
                 batch = self.runner.build_batch(plan)
                 break
@@ -231,7 +232,7 @@ class LLMEngine:
                 log.warning("request %s failed on the host: %s", f.seq.request_id, f)
                 self._fail(f.seq.request_id, str(f), touched)
         try:
-            out = self.runner.step(self.adapters.lora_state, batch)
+            out = self.runner.step(batch)
         except Exception as e:
             self.num_failed_steps += 1
             log.error("engine step over requests %s failed: %s: %s", plan.request_ids, type(e).__name__, e)

@@ -1,4 +1,4 @@
-"""ModelRunner: owns the device state (weights, paged KV cache) and the one jitted step.
+"""ModelRunner: owns the device state (weights, paged KV cache, LoRA slots) and the one jitted step.
 
 A step is one device call: the running sequences' decode tokens (R rows, padding where a row is
 free) and a prefill part (P sequences x Q chunk tokens, one of `EngineConfig.prefill_shapes()`),
@@ -6,6 +6,10 @@ packed into one token axis, go through the model together (every weight read onc
 sampler runs in the same graph. Graphs are keyed by (R, P, Q): `EngineConfig.step_shapes()`. Host and
 device meet once each way: the scheduler's NumPy arrays go over in one transfer, and only the
 sampled tokens (and logprobs) come back.
+
+The LoRA slot arrays are the runner's too (`self.lora`, a `LoRASlots`): the adapter manager only
+decides which adapter goes in which slot and queues the writes, already padded on the host; the
+step plan carries them and `write_slots` applies them right before the step that reads them.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jlora import compile_stats
+from jlora.adapters.manager import LoRASlots, SlotWrite
 from jlora.engine.config import EngineConfig
 from jlora.engine.structured import fill_mask
 from jlora.models import quant
-from jlora.models.llama import AttnGroup, Llama, LoRAState, host_zeros, init_cache
+from jlora.models.llama import AttnGroup, Llama, host_zeros, init_cache
 from jlora.sampling import MAX_LOGPROBS, SamplingRow, empty_sampling_batch, fill_sampling_row, sample
 
 if TYPE_CHECKING:
@@ -82,6 +87,7 @@ class ModelRunner:
         self.kv_dtype = model.dtype
         self.cache = init_cache(self.cfg, config.num_kv_blocks, config.block_size, quant.storage_dtype(self.kv_dtype),
                                 zeros=host_zeros)
+        self.lora = LoRASlots(self.cfg, config.max_loras, config.max_lora_rank, model.dtype)
         self._step = jax.jit(self._step_impl, static_argnames=("lora_impl", "attn_chunk"), donate_argnames=("cache",))
         self._executables: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> compiled step
 
@@ -97,6 +103,14 @@ class ModelRunner:
         if batch["pre_positions"].shape[0]:
             out.update(_prompt_logprobs(model, hidden[batch["dec_positions"].shape[0]:], batch["prompt_targets"]))
         return out, cache
+
+    @property
+    def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}
+        return self.lora.state
+
+    def write_slots(self, writes: tuple[SlotWrite, ...]) -> None:
+        """Apply a plan's queued slot writes (already padded on the host) before its step."""
+        self.lora.write(writes)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -157,13 +171,13 @@ class ModelRunner:
                     fill_mask(s.matcher, batch["sampling"]["allowed"], row)
         return batch
 
-    def step(self, lora_state: LoRAState | None, batch: dict[str, Any]) -> dict[str, np.ndarray]:
+    def step(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
         """Runs one step; returns the sampled tokens i32[R] (and logprob arrays) on the host."""
         shape = batch["dec_positions"].shape + batch["pre_positions"].shape
         dev = jax.device_put(batch)  # one transfer
         if shape not in self._executables:  # lazy mode, or a shape warm-up did not cover
-            self._compile([shape], lora_state)
-        out, self.cache = self._executables[shape](self._weights, lora_state, self.cache, dev)
+            self._compile([shape])
+        out, self.cache = self._executables[shape](self._weights, self.lora.state, self.cache, dev)
         return jax.device_get(out)
 
     def reset_cache_if_lost(self) -> bool:
@@ -175,12 +189,13 @@ class ModelRunner:
                                 zeros=host_zeros)
         return True
 
-    def _compile(self, shapes: list[tuple[int, int, int]], lora_state: LoRAState | None, progress: bool = False) -> None:
+    def _compile(self, shapes: list[tuple[int, int, int]], progress: bool = False) -> None:
         """Trace and lower each shape (Python, one at a time), then compile them on all cores at once:
         XLA compiles outside the GIL, and the step graphs do not depend on each other."""
         if not shapes:
             return
-        lowered = {shape: self._step.lower(self._weights, lora_state, self.cache, jax.device_put(self.empty_batch(shape)),
+        lowered = {shape: self._step.lower(self._weights, self.lora.state, self.cache,
+                                           jax.device_put(self.empty_batch(shape)),
                                            lora_impl=self.config.lora_impl, attn_chunk=self.config.attn_chunk)
                    for shape in shapes}
 
@@ -194,6 +209,7 @@ class ModelRunner:
                 bar.update(1)
         bar.close()
 
-    def warmup(self, lora_state: LoRAState | None, progress: bool = True) -> None:
-        """Compile every step graph once, before the first request."""
-        self._compile([s for s in self.config.step_shapes() if s not in self._executables], lora_state, progress)
+    def warmup(self, progress: bool = True) -> None:
+        """Compile the slot write and every step graph once, before the first request."""
+        self.lora.warmup()
+        self._compile([s for s in self.config.step_shapes() if s not in self._executables], progress)

@@ -2,7 +2,8 @@
 
 It owns the waiting queue, the running list and the block allocator, and hands the engine a
 `StepPlan`: per sequence, the tokens it runs this step. It never touches arrays or the device
-(the runner turns a plan into arrays); adapter slots it only assigns, through the manager.
+(the runner turns a plan into arrays); adapter slots it only assigns, through the manager, whose
+queued slot writes ride in the plan (`StepPlan.slot_writes`) for the runner to apply.
 
 Admission, preemption and the prefill shape choice are as `docs/engine.md` describes. When a
 device step raises, the scheduler keeps its requests under suspicion and runs them one at a
@@ -17,7 +18,7 @@ import itertools
 from collections import deque
 from typing import Callable
 
-from jlora.adapters.manager import AdapterManager, NoFreeSlotError
+from jlora.adapters.manager import AdapterManager, NoFreeSlotError, SlotWrite
 from jlora.engine.blocks import BlockAllocator
 from jlora.engine.config import EngineConfig, bucket_for
 from jlora.engine.sequence import Sequence, SeqState
@@ -37,6 +38,7 @@ class StepPlan:
     decode: list[Sequence]
     prefill: list[tuple[Sequence, int, int]]
     sampled: list[Sequence]
+    slot_writes: tuple[SlotWrite, ...] = ()  # applied by the runner before this step (adapters admitted for it)
 
     @property
     def request_ids(self) -> list[str]:
@@ -79,7 +81,7 @@ class Scheduler:
         r = c.max_num_seqs if chunks else bucket_for(len(decoding), c.decode_row_buckets)
         prefill = [(s, s.num_computed, min(q, s.total_len - s.num_computed)) for s in chunks]
         completing = [s for s, start, n in prefill if start + n == s.total_len]
-        return StepPlan((r, p, q), decoding, prefill, decoding + completing)
+        return StepPlan((r, p, q), decoding, prefill, decoding + completing, self.adapters.take_writes())
 
     def commit(self, plan: StepPlan) -> None:
         """The plan's step ran: its prefill chunks are in the KV cache now (not before, so a step
@@ -156,7 +158,7 @@ class Scheduler:
                 return
             if seq.lora is not None:
                 try:
-                    seq.slot = self.adapters.acquire(seq.lora, seq.lora_handle, protect=needed)
+                    seq.slot = self.adapters.acquire(seq.lora_handle, protect=needed)
                 except NoFreeSlotError:
                     if c.scheduling_policy == "fcfs" or seq.num_overtaken >= c.max_overtakes:
                         return

@@ -22,6 +22,34 @@ PACKED_MODULES: dict[str, tuple[str, ...]] = {
     "down_proj": ("down_proj",),
 }
 FUSED_OF = {sub: fused for fused, subs in PACKED_MODULES.items() for sub in subs}  # sub-module -> fused name
+# The one list of LoRA-targetable modules (PEFT names), derived from the table above: the
+# converter, the LoRA state, the manager and the loaders all read it from here.
+LORA_MODULES: tuple[str, ...] = tuple(FUSED_OF)  # q, k, v, o, gate, up, down
+MODULE_PARENT: dict[str, str] = {  # module -> its parent block in HF Llama naming
+    sub: "mlp" if fused in ("gate_up_proj", "down_proj") else "self_attn" for sub, fused in FUSED_OF.items()}
+
+
+def check_lora_fit(
+    where: str,  # who is checked, e.g. "adapter 'sql' at '/path'"
+    ranks: dict[str, int],  # module (PEFT name, or a full per-layer name) -> rank
+    max_lora_rank: int | None = None,
+    holds: tuple[str, ...] | None = None,  # the modules the LoRA state holds (None: any of LORA_MODULES)
+) -> None:
+    """The one check that an adapter fits an engine: known modules, held by its LoRA state, and
+    no rank above `max_lora_rank`. ValueError naming `where`, the modules and the limit."""
+    short = {m: m.rsplit(".", 1)[-1] for m in ranks}
+    unknown = sorted(m for m in ranks if short[m] not in LORA_MODULES)
+    if unknown:
+        raise ValueError(f"{where}: unknown LoRA modules {unknown}; known: {list(LORA_MODULES)}")
+    if holds is not None:
+        extra = sorted({short[m] for m in ranks} - set(holds))
+        if extra:
+            raise ValueError(f"{where} targets modules {extra} that this engine's LoRA state does not hold "
+                             f"(it holds {list(holds)})")
+    if max_lora_rank is not None:
+        for m, r in ranks.items():
+            if r > max_lora_rank:
+                raise ValueError(f"{where}: module {m!r} has rank r={r}, above max_lora_rank={max_lora_rank}")
 
 # Hugging Face `model_type` / GGUF `general.architecture` values this decoder serves.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

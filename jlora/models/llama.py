@@ -33,9 +33,7 @@ from flax import nnx
 from jlora.kernels import lora_delta
 from jlora.kernels.attention import causal_attention, paged_attention
 from jlora.models import quant
-from jlora.models.config import PACKED_MODULES, LlamaConfig
-
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT names
+from jlora.models.config import LORA_MODULES, PACKED_MODULES, LlamaConfig  # LORA_MODULES: PEFT names
 FUSED_MODULES = tuple(PACKED_MODULES)  # ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"): the GEMMs
 TRAINABLE_IMPLS = ("gather", "laned", "pallas")  # lora_delta implementations with a gradient
 KVCache = dict  # {"k": [L, num_blocks, block_size, KVH, Dh], "v": same}
