@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlora.adapters.peft import (ADAPTER_CONFIG, MODULE_PARENT, SAFETENSORS_FILE, LoRAAdapter, _check_config,
-                                 is_targeted, lora_scale, module_rank_alpha)
+from jlora.adapters.peft import (ADAPTER_CONFIG, SAFETENSORS_FILE, LoRAAdapter, _check_config, is_targeted,
+                                 lora_scale, module_rank_alpha)
 from jlora.adapters.request import _snapshot_config
-from jlora.models.config import PACKED_MODULES, LlamaConfig
+from jlora.models.config import MODULE_PARENT, PACKED_MODULES, LlamaConfig
 from jlora.models.llama import LoRAState, lora_state_modules
 
 # What `save_peft` writes besides the caller's fields (PEFT's LoraConfig defaults for a plain LoRA).
