@@ -1,6 +1,6 @@
 """Device adapter slots: one jitted `set_slot`, and the AdapterManager that decides what goes where.
 
-All slots live in one fixed-shape pytree (see DESIGN.md), one entry per packed module
+All slots live in one fixed-shape pytree (docs/engine.md, "The rooms of a step"), one entry per packed module
 (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`; S sub-modules each):
 
     lora_state[packed module] = {"A": [L, N, in, S*R], "B": [L, N, R, out]}
