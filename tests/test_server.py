@@ -559,7 +559,7 @@ def test_cli_flags_are_checked_before_the_model_loads(capsys):
 def test_usage_counts_the_eos_or_stop_token_that_ended_a_sample():
     from jlora.outputs import CompletionOutput, RequestOutput
     from jlora.server.engine_thread import Update
-    from jlora.server.generate import Formatter
+    from jlora.server.openai_responses import Formatter
 
     fmt = Formatter(False, "tiny", 3, None, None, False)
     outs = [CompletionOutput(0, "", [], "stop", None), CompletionOutput(1, "ab", [5, 6], "stop", 99),

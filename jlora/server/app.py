@@ -29,9 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jlora.adapters.peft import JLORA_ADAPTER_META, SAFETENSORS_FILE
 from jlora.adapters.request import LoRARequest
 from jlora.server.engine_thread import EngineThread
-from jlora.server.generate import (
-    Formatter, Generation, check_text_size, chat_prompt, check_lengths, completion_prompts, sampling_params,
+from jlora.server.openai_requests import (
+    Generation, check_text_size, chat_prompt, check_lengths, completion_prompts, sampling_params,
 )
+from jlora.server.openai_responses import Formatter
 from jlora.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_STALL_S, max_prompt_bytes
 from jlora.server.metrics import CONTENT_TYPE, ServerMetrics
 from jlora.server.protocol import (
