@@ -4,6 +4,7 @@ requests behind one HTTP request as an async stream. Replies are built in `opena
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from typing import Any, AsyncIterator
 
@@ -14,6 +15,7 @@ from jlora.engine.llm_engine import QueueFullError
 from jlora.server.engine_thread import EngineThread, ShuttingDown, Update
 from jlora.server.limits import RETRY_AFTER_S
 from jlora.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from jlora.server.tools import ToolCalls
 
 Prompt = dict[str, Any]  # {"prompt_token_ids": [...], "prompt": text or None}
 
@@ -21,11 +23,15 @@ Prompt = dict[str, Any]  # {"prompt_token_ids": [...], "prompt": text or None}
 # ---- request -> engine inputs ------------------------------------------------------------------------
 
 
-def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str]:
-    """The request's grammar, from `response_format` or vLLM's fields (at most one), and the field
-    that gave it (for error messages)."""
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
+                       tools: ToolCalls | None = None) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's grammar, from `response_format`, vLLM's fields or a named / required
+    tool_choice (at most one), and the field that gave it (for error messages)."""
     rf = req.response_format
     given = {}
+    tool_grammar = tools.structured(req) if tools is not None else None
+    if tool_grammar is not None:
+        given["tool_choice"] = tool_grammar
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
             given["response_format"] = {"json_object": True}
@@ -44,6 +50,8 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple[
     if len(given) > 1:
         raise APIError(400, f"give one of {sorted(given)}, not several", param=sorted(given)[1])
     (field, kw), = given.items()
+    if isinstance(kw, StructuredOutputsParams):
+        return kw, field
     try:
         return StructuredOutputsParams(**kw), field
     except (TypeError, ValueError) as e:
@@ -52,10 +60,10 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple[
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                     logprobs: int | None, vocab_size: int, max_n: int,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, tools: ToolCalls | None = None) -> SamplingParams:
     """SamplingParams from the request, checked against the engine (vocabulary, `--max-n`); its
     ValueError becomes a 400 naming the field."""
-    structured, structured_field = structured_outputs(req)
+    structured, structured_field = structured_outputs(req, tools)
     bias = None
     if req.logit_bias:
         try:
@@ -119,10 +127,10 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, max_bytes: int, v
     return out
 
 
-def chat_prompt(req: ChatCompletionRequest, llm: Any, max_bytes: int, add_generation_prompt: bool = True) -> Prompt:
-    for field in ("tools", "functions"):
-        if (req.model_extra or {}).get(field):
-            raise APIError(400, f"{field} is not supported", param=field)
+def chat_prompt(req: ChatCompletionRequest, llm: Any, max_bytes: int, add_generation_prompt: bool = True,
+                tools: ToolCalls | None = None) -> Prompt:
+    """The prompt's token ids through the chat template, with `tools` shown to it when a tool
+    choice other than "none" is in play; assistant tool calls and tool results render too."""
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -139,10 +147,21 @@ def chat_prompt(req: ChatCompletionRequest, llm: Any, max_bytes: int, add_genera
                                    param=f"messages.{i}.content") from None
                 parts.append(part["text"])
             content = "\n".join(parts)
-        messages.append({"role": m.role, "content": content or ""})
-    check_text_size("".join(m["content"] for m in messages), max_bytes, "messages")
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+        msg.update({k: getattr(m, k) for k in ("tool_call_id", "name") if getattr(m, k) is not None})
+        messages.append(msg)
+    calls = [m["tool_calls"] for m in messages if "tool_calls" in m]
+    check_text_size("".join(m["content"] for m in messages) + (json.dumps(calls) if calls else ""), max_bytes,
+                    "messages")
+    if tools is not None:
+        check_text_size(json.dumps(tools.tools), max_bytes, "tools")
     try:
-        ids = llm.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        ids = llm.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                      tools=tools.tools if tools is not None else None)
     except Exception as e:  # jinja raises for roles or orders the template refuses
         raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from e
     return {"prompt_token_ids": ids, "prompt": None}

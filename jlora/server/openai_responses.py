@@ -9,6 +9,7 @@ from typing import Any
 
 from jlora.server.engine_thread import Update
 from jlora.server.protocol import error_body
+from jlora.server.tools import ToolCalls
 
 
 class Formatter:
@@ -16,10 +17,13 @@ class Formatter:
 
     def __init__(self, chat: bool, model: str, n: int, tokenizer: Any, num_logprobs: int | None,
                  include_usage: bool, tokens_as_ids: bool = False, echo_texts: list[str] | None = None,
-                 prompt_only: bool = False):
+                 prompt_only: bool = False, tools: ToolCalls | None = None):
         """echo_texts: per prompt, its text, put before each of its choices (completions' `echo`);
-        prompt_only: `max_tokens=0` with echo, so the one token generated is not returned."""
+        prompt_only: `max_tokens=0` with echo, so the one token generated is not returned;
+        tools: a chat request's tool mode, which turns the text into content and tool_calls."""
         self.chat, self.model, self.n = chat, model, n
+        self.tools = tools
+        self.streamed: dict[int, str] = {}  # choice index -> its text so far (tool modes)
         self.echo_texts = echo_texts
         self.prompt_only = prompt_only
         self.echoed: set[int] = set()
@@ -128,7 +132,9 @@ class Formatter:
                 lp = self._join(echo_lp, lp)
                 choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": o.finish_reason,
                                           "stop_reason": o.stop_reason}
-                if self.chat:
+                if self.tools is not None:
+                    choice["message"], choice["finish_reason"] = self.tools.message(o.text, o.finish_reason)
+                elif self.chat:
                     choice["message"] = {"role": "assistant", "content": o.text}
                 else:
                     choice["text"] = echo_text + text
@@ -162,6 +168,18 @@ class Formatter:
             echo_text, echo_lp = self._echo(i, u)
             delta, lp = self._generated(i, o, delta)
             delta, lp = echo_text + delta, self._join(echo_lp, lp)
+            if self.tools is not None:
+                self.streamed[i] = self.streamed.get(i, "") + delta
+                deltas, finish = self.tools.delta(i, self.streamed[i], done, o.finish_reason)
+                if done:
+                    self.finished.add(i)
+                if not deltas and not done and not (lp and lp.get("content")):
+                    continue
+                for k, d in enumerate(deltas or [{}]):
+                    last = k == max(len(deltas), 1) - 1
+                    chunks.append(self._chunk([{"index": i, "delta": d, "logprobs": lp if k == 0 else None,
+                                                "finish_reason": finish if done and last else None}]))
+                continue
             if not delta and not done and not (lp and (lp.get("content") or lp.get("tokens"))):
                 continue
             choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": o.finish_reason if done else None}
