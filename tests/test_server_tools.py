@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from typing import Literal
 
 import jsonschema
 import pytest
@@ -267,3 +268,31 @@ def test_serve_uses_the_tools_template_for_the_default_model_and_takes_names(tin
     assert template("--model", str(tiny_dir[0]), "--chat-template", "smollm2-tools") == CHAT_TEMPLATES["smollm2-tools"]
     with pytest.raises(ValueError, match="smollm2-tools"):
         template("--chat-template", "no-such-template")
+
+
+def test_langchain_structured_output_and_bind_tools(live):
+    import httpx
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        age: int = Field(ge=0, le=120)
+
+    class get_weather(BaseModel):  # a tool as LangChain takes it; bounded, so the tiny model finishes it
+        """Weather in a city."""
+
+        city: str = Field(max_length=10)
+        unit: Literal["C", "F"]
+
+    llm = ChatOpenAI(base_url=live.base_url + "/v1", api_key=KEY, model="a0", temperature=0.0, max_tokens=60,
+                     max_retries=0, http_client=httpx.Client(trust_env=False))
+    for method in ("json_schema", "function_calling"):  # response_format; a named tool_choice
+        person = llm.with_structured_output(Person, method=method).invoke("Describe a person.")
+        assert isinstance(person, Person), (method, person)
+    # strict: LangChain adds additionalProperties: false (else the tiny model adds keys until max_tokens)
+    msg = llm.bind_tools([get_weather], tool_choice="get_weather", strict=True).invoke("What is the weather in Paris?")
+    (call,) = msg.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"}
+    msg = llm.bind_tools([get_weather], tool_choice="any", strict=True, parallel_tool_calls=False).invoke("What is the weather in Paris?")  # "required"
+    assert msg.tool_calls and all(c["name"] == "get_weather" for c in msg.tool_calls)
