@@ -218,7 +218,7 @@ class OpenAIServer:
             echo_texts = [p["prompt"] if p["prompt"] is not None else self.llm.tokenizer.decode(p["prompt_token_ids"])
                           for p in prompts]
         fmt = Formatter(chat, req.model, req.n, self.llm.tokenizer, num_logprobs, include_usage,
-                        req.return_tokens_as_token_ids, echo_texts, prompt_only, tools)
+                        req.return_tokens_as_token_ids, echo_texts, prompt_only, tools, self.llm.engine.eos_token_id)
         gen = Generation(self.engine, fmt.id, len(prompts), received)
         await gen.start(prompts, params, lora)
         if req.stream:

@@ -17,12 +17,13 @@ class Formatter:
 
     def __init__(self, chat: bool, model: str, n: int, tokenizer: Any, num_logprobs: int | None,
                  include_usage: bool, tokens_as_ids: bool = False, echo_texts: list[str] | None = None,
-                 prompt_only: bool = False, tools: ToolCalls | None = None):
+                 prompt_only: bool = False, tools: ToolCalls | None = None, eos_token_id: int | None = None):
         """echo_texts: per prompt, its text, put before each of its choices (completions' `echo`);
         prompt_only: `max_tokens=0` with echo, so the one token generated is not returned;
         tools: a chat request's tool mode, which turns the text into content and tool_calls."""
         self.chat, self.model, self.n = chat, model, n
         self.tools = tools
+        self.eos_token_id = eos_token_id
         self.streamed: dict[int, str] = {}  # choice index -> its text so far (tool modes)
         self.echo_texts = echo_texts
         self.prompt_only = prompt_only
@@ -97,7 +98,10 @@ class Formatter:
     def _generated(self, i: int, o: Any, delta: str) -> tuple[str, dict[str, list] | None]:
         if self.prompt_only:
             return "", None
-        return delta, self.logprobs(i, o.token_ids, o.logprobs)
+        ids = o.token_ids
+        if o.logprobs is not None and len(o.logprobs) == len(ids) + 1:  # the EOS / stop token that ended it
+            ids = ids + [o.stop_reason if isinstance(o.stop_reason, int) else self.eos_token_id]
+        return delta, self.logprobs(i, ids, o.logprobs)
 
     @staticmethod
     def _join(a: dict[str, list] | None, b: dict[str, list] | None) -> dict[str, list] | None:
