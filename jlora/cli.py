@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="one batch mixing several adapters and the base model",
                        formatter_class=HelpFormatter)
     add_engine_args(d)
-    d.add_argument("--max-tokens", type=int, default=24, help="tokens to generate per chat")
+    # 40: the all-caps adapter's one sentence takes up to ~30 tokens (upper-case words split finely)
+    d.add_argument("--max-tokens", type=int, default=40, help="tokens to generate per chat")
     d.set_defaults(fn=cmd_demo)
 
     c = sub.add_parser("convert", help="convert a PEFT adapter: jlora convert SRC DST [--model M] "

@@ -234,10 +234,14 @@ class LLM:
                 self.engine.abort(rid)
             self.engine.pop_finished(rid)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of `messages` through the chat template; `tools` (OpenAI tool dicts) are handed
+        to templates that render them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model has no chat template")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                 tools=tools)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def chat(

@@ -26,7 +26,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", "error" (RequestOutput.error says why)
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     lora_name: str | None = None
-    logprobs: list[dict[int, float]] | None = None  # per generated token: top-n ids -> logprob, plus the chosen one
+    # Per generated token: top-n ids -> logprob, plus the chosen one; when an EOS or stop token ended
+    # the sample, one entry more for that token (not in token_ids), as vLLM returns its logprob.
+    logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
 
     @property

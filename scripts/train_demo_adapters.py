@@ -26,6 +26,7 @@ import importlib.util
 import json
 import pathlib
 import random
+import re
 import time
 
 import torch
@@ -329,9 +330,14 @@ def build_and_train(names: list[str]):
         for prompt in GENERAL_PROMPTS:
             row = base_answers[prompt]
             finished = row[-1] == eos
-            text = tok.decode(row, skip_special_tokens=True).strip().upper()
-            reply = tok.encode(text, add_special_tokens=False)[:20]
-            if finished and len(reply) < 20:
+            text = tok.decode(row, skip_special_tokens=True).strip()
+            # The reply's first sentence, upper-cased, then <|im_end|>: cut mid-sentence without an
+            # end (as before), the adapter never learnt to stop and garbled and looped past 20 tokens.
+            end = re.search(r"[.!?](\s|$)", text)
+            if end is not None:
+                text, finished = text[: end.start() + 1], True
+            reply = tok.encode(text.upper(), add_special_tokens=False)[:32]
+            if finished and len(reply) < 32:
                 reply = reply + [eos]
             examples.append(make_example(tok, prompt, reply))
         cfg = LoraConfig(
@@ -344,7 +350,7 @@ def build_and_train(names: list[str]):
             task_type="CAUSAL_LM",
         )
         model, times["all-caps"] = train_adapter(
-            model, tok, "all-caps", cfg, examples, steps=40, lr=1e-3, batch_size=4,
+            model, tok, "all-caps", cfg, examples, steps=60, lr=1e-3, batch_size=4,
             save_dtype=torch.float16,  # ~10 MB instead of ~20 MB in float32
         )
 

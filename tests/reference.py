@@ -131,8 +131,7 @@ class ReferenceGenerator:
             out.append(tok)
             enough = len(out) >= p.min_tokens
             if enough and (tok in p.stop_token_ids or (not p.ignore_eos and tok == self.eos)):
-                out.pop()
-                logprobs = logprobs[: len(out)]
+                out.pop()  # not returned, but its logprob is (one entry past the output's tokens)
                 text = self.tokenizer.decode(out, skip_special_tokens=True)
                 return RefSample(out, text, "stop", tok if tok in p.stop_token_ids else None, self._lp(p, logprobs))
             old_len = len(text)

@@ -444,7 +444,7 @@ def test_one_fit_check_for_files_converted_adapters_and_the_manager(tmp_path):
 
 @pytest.mark.parametrize("max_loras", [1, 2, 4, 5])
 def test_one_max_cpu_loras_default(max_loras):
-    from jlora.defaults import engine_config
+    from jlora.engine_args import engine_config
     from jlora.engine.config import EngineConfig, default_max_cpu_loras
 
     want = max(4 * max_loras, 8)

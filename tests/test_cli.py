@@ -101,7 +101,7 @@ def test_help_shows_defaults_and_no_timing_line(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--help"])
     out, err = capsys.readouterr()
-    assert "(default: 24)" in out and err == ""
+    assert "(default: 40)" in out and err == ""
 
 
 class FakeLLM:

@@ -241,7 +241,7 @@ def test_cumulative_logprob_counts_only_returned_tokens(llm, ref):
     p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_tok], logprobs=2)
     out = llm.generate([{"prompt_token_ids": ids}], p)[0].outputs[0]
     assert out.finish_reason == "stop" and stop_tok not in out.token_ids
-    assert len(out.logprobs) == len(out.token_ids)
+    assert len(out.logprobs) == len(out.token_ids) + 1 and stop_tok in out.logprobs[-1]  # the stop token's, as vLLM
     np.testing.assert_allclose(out.cumulative_logprob, sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)),
                                rtol=1e-6)
 

@@ -411,6 +411,17 @@ def test_echo_with_prompt_logprobs_as_lm_eval_asks(live):
         "stream": True}).text.splitlines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) == r["choices"][0]["text"]
     assert _error(http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}), 400)["param"] == "max_tokens"
+    # What lm-eval 0.4.13 sends (max_tokens=1) and then drops as the generated token
+    # (`token_logprobs[ctxlen:-1]`): an entry even when that token is an EOS or stop token that
+    # ended the sample, as vLLM returns it, so no prompt token's logprob is dropped instead.
+    nxt = ref.outputs[0].token_ids[0]
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "echo": True, "max_tokens": 1, "logprobs": 1,
+                                           "temperature": 0.0, "stop_token_ids": [nxt],
+                                           "return_tokens_as_token_ids": True}).json()
+    c = r["choices"][0]
+    assert c["finish_reason"] == "stop" and c["stop_reason"] == nxt and c["text"] == live.llm.tokenizer.decode(ids)
+    assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids + [nxt]]
+    np.testing.assert_allclose(c["logprobs"]["token_logprobs"][1:-1], want, atol=1e-6)
 
 
 def test_tokenize_detokenize_version_and_one_model(live):
@@ -582,7 +593,7 @@ def test_cli_flags_are_checked_before_the_model_loads(capsys):
 def test_usage_counts_the_eos_or_stop_token_that_ended_a_sample():
     from jlora.outputs import CompletionOutput, RequestOutput
     from jlora.server.engine_thread import Update
-    from jlora.server.generate import Formatter
+    from jlora.server.openai_responses import Formatter
 
     fmt = Formatter(False, "tiny", 3, None, None, False)
     outs = [CompletionOutput(0, "", [], "stop", None), CompletionOutput(1, "ab", [5, 6], "stop", 99),

@@ -30,17 +30,19 @@ class OutputProcessor:
         s.state = SeqState.DECODE
         s.num_computed = s.total_len  # every token but the new one is in the cache
         enough = len(s.output_ids) + 1 >= p.min_tokens
-        if enough and tok in p.stop_token_ids:  # not part of the output (nor its logprob)
-            return "stop", tok
-        if enough and not p.ignore_eos and tok == self.eos_token_id:
-            return "stop", None
-        if s.matcher is not None and not s.matcher.consume_token(tok):
+        ends = enough and (tok in p.stop_token_ids or (not p.ignore_eos and tok == self.eos_token_id))
+        if not ends and s.matcher is not None and not s.matcher.consume_token(tok):
             raise ValueError(f"token {tok} is not allowed by the sample's grammar: {s.matcher.get_error()}")
         if p.logprobs is not None:
+            # An EOS / stop token that ends the sample is not part of the output, but its logprob is
+            # kept as one entry past the output's tokens, as vLLM returns it: lm-eval's loglikelihood
+            # requests (echo, max_tokens=1) drop the last entry as the generated token.
             top = {int(i): float(lp) for i, lp in zip(out["top_ids"][row][: p.logprobs],
                                                       out["top_logprobs"][row][: p.logprobs])}
             top[tok] = float(out["token_logprob"][row])
             s.logprobs.append(top)
+        if ends:
+            return ("stop", tok) if tok in p.stop_token_ids else ("stop", None)
         s.output_ids.append(tok)
         old_len = len(s.text)
         s.detok.append(tok)

@@ -30,9 +30,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jlora.adapters.peft import JLORA_ADAPTER_META, SAFETENSORS_FILE
 from jlora.adapters.request import LoRARequest
 from jlora.server.engine_thread import EngineThread
-from jlora.server.generate import (
-    Formatter, Generation, check_text_size, chat_prompt, check_lengths, completion_prompts, sampling_params,
+from jlora.server.openai_requests import (
+    Generation, check_text_size, chat_prompt, check_lengths, completion_prompts, sampling_params,
 )
+from jlora.server.openai_responses import Formatter
+from jlora.server.tools import ToolCalls
 from jlora.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_STALL_S, max_prompt_bytes
 from jlora.server.metrics import CONTENT_TYPE, ServerMetrics
 from jlora.server.protocol import (
@@ -184,7 +186,8 @@ class OpenAIServer:
             if req.top_logprobs is not None and not req.logprobs:
                 raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
             num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            prompts = [chat_prompt(req, self.llm, self.max_prompt_bytes)]
+            tools = ToolCalls.from_request(req, getattr(self.llm.tokenizer, "chat_template", None))
+            prompts = [chat_prompt(req, self.llm, self.max_prompt_bytes, tools=tools)]
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             field = "messages"
         else:
@@ -193,6 +196,7 @@ class OpenAIServer:
             if req.best_of is not None and req.best_of != req.n:
                 raise APIError(400, "best_of other than n is not supported", param="best_of")
             num_logprobs = req.logprobs
+            tools = None
             prompts = completion_prompts(req, self.llm.tokenizer, self.max_prompt_bytes, self.vocab_size)
             max_tokens = req.max_tokens
             field = "prompt"
@@ -210,14 +214,14 @@ class OpenAIServer:
         if (req.max_completion_tokens if chat else None) is None and req.max_tokens is None:
             max_tokens = min(max_tokens, self.default_max_tokens)  # unset: the server's default, not the context
         params = sampling_params(req, max_tokens, num_logprobs, self.vocab_size, self.max_n,
-                                 prompt_logprobs=num_logprobs if not chat and req.echo else None)
+                                 prompt_logprobs=num_logprobs if not chat and req.echo else None, tools=tools)
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         echo_texts = None
         if not chat and req.echo:
             echo_texts = [p["prompt"] if p["prompt"] is not None else self.llm.tokenizer.decode(p["prompt_token_ids"])
                           for p in prompts]
         fmt = Formatter(chat, req.model, req.n, self.llm.tokenizer, num_logprobs, include_usage,
-                        req.return_tokens_as_token_ids, echo_texts, prompt_only)
+                        req.return_tokens_as_token_ids, echo_texts, prompt_only, tools, self.llm.engine.eos_token_id)
         gen = Generation(self.engine, fmt.id, len(prompts), received)
         await gen.start(prompts, params, lora)
         if req.stream:
@@ -287,7 +291,8 @@ def _field_path(loc: tuple) -> str:
     return ".".join(parts) or "body"
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ChatMessage", "StreamOptions"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "ChatMessage", "StreamOptions",
+              "NamedToolChoice"}
 
 
 # ---- auth ----------------------------------------------------------------------------------------------

@@ -104,9 +104,44 @@ class CompletionRequest(_SamplingFields):
     best_of: _bounded("n", True) | None = None
 
 
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text | dict[str, Any] = "{}"  # OpenAI sends the JSON text; some clients send the object
+
+
+class ToolCall(_Body):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Text
     content: Text | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None  # a "tool" turn: the call it answers
+    name: Text | None = None
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type object; None = no arguments
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -114,6 +149,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: _bounded("max_tokens", True) | None = None
     logprobs: StrictBool = False
     top_logprobs: _bounded("logprobs", True) | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: StrictBool | None = None  # False: "required" gives exactly one call
 
 
 class LoadLoRAAdapterRequest(_Body):

@@ -32,7 +32,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on the /v1 routes (default: env JLORA_API_KEY)")
     p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template (a file, or the template itself) in place of the model's")
+                   help="a Jinja chat template (a file, the template itself, or a name shipped with jlora: "
+                        "smollm2-tools, the default model's template with tools) in place of the model's "
+                        "(default: smollm2-tools for the default model)")
     p.add_argument("--enable-runtime-lora-updating", action="store_true",
                    help="add /v1/load_lora_adapter and /v1/unload_lora_adapter (paths confined to --lora-root)")
     p.add_argument("--lora-root", default=None, help="directory every runtime-loaded adapter must lie in")
@@ -161,15 +163,24 @@ def check_serve_args(args: argparse.Namespace) -> tuple[dict[str, str], socket.s
             check_adapter_dir(path)
         except (ValueError, FileNotFoundError) as e:
             raise ValueError(f"--lora-modules {name}={path}: {e}") from None
+    from jlora.chat_templates import CHAT_TEMPLATES
+
     template = None
-    if args.chat_template is not None:
+    if args.chat_template is None and args.model is None:
+        # The default model's GGUF template ignores `tools`; this one renders them in the format
+        # SmolLM2 was tuned on, and renders everything else exactly as the GGUF's does.
+        template = CHAT_TEMPLATES["smollm2-tools"]
+    elif args.chat_template in CHAT_TEMPLATES:
+        template = CHAT_TEMPLATES[args.chat_template]
+    elif args.chat_template is not None:
         if os.path.isfile(args.chat_template):
             with open(args.chat_template, encoding="utf-8") as f:
                 template = f.read()
         elif "{" in args.chat_template:
             template = args.chat_template
         else:
-            raise ValueError(f"--chat-template: {args.chat_template!r} is neither a file nor a Jinja template")
+            raise ValueError(f"--chat-template: {args.chat_template!r} is neither a file, a Jinja template nor "
+                             f"one of {sorted(CHAT_TEMPLATES)}")
     sizes = {k: v for k, v in engine_flags(vars(args)).items() if k not in ("warmup", "weights_cache")}
     engine_config(**sizes)  # the sizes' own checks, still before anything loads
     try:

@@ -1,12 +1,11 @@
-"""Completions and chat completions: request -> engine requests -> OpenAI-shaped replies and SSE chunks."""
+"""OpenAI request bodies -> engine inputs (prompts, SamplingParams, structured outputs), and the engine
+requests behind one HTTP request as an async stream. Replies are built in `openai_responses`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
-import time
-import uuid
 from typing import Any, AsyncIterator
 
 from jlora.adapters.request import LoRARequest
@@ -15,7 +14,8 @@ from jlora.sampling_params import SamplingParams, StructuredOutputsParams
 from jlora.engine.llm_engine import QueueFullError
 from jlora.server.engine_thread import EngineThread, ShuttingDown, Update
 from jlora.server.limits import RETRY_AFTER_S
-from jlora.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from jlora.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from jlora.server.tools import ToolCalls
 
 Prompt = dict[str, Any]  # {"prompt_token_ids": [...], "prompt": text or None}
 
@@ -23,11 +23,15 @@ Prompt = dict[str, Any]  # {"prompt_token_ids": [...], "prompt": text or None}
 # ---- request -> engine inputs ------------------------------------------------------------------------
 
 
-def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str]:
-    """The request's grammar, from `response_format` or vLLM's fields (at most one), and the field
-    that gave it (for error messages)."""
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
+                       tools: ToolCalls | None = None) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's grammar, from `response_format`, vLLM's fields or a named / required
+    tool_choice (at most one), and the field that gave it (for error messages)."""
     rf = req.response_format
     given = {}
+    tool_grammar = tools.structured(req) if tools is not None else None
+    if tool_grammar is not None:
+        given["tool_choice"] = tool_grammar
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
             given["response_format"] = {"json_object": True}
@@ -46,6 +50,8 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple[
     if len(given) > 1:
         raise APIError(400, f"give one of {sorted(given)}, not several", param=sorted(given)[1])
     (field, kw), = given.items()
+    if isinstance(kw, StructuredOutputsParams):
+        return kw, field
     try:
         return StructuredOutputsParams(**kw), field
     except (TypeError, ValueError) as e:
@@ -54,10 +60,10 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple[
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                     logprobs: int | None, vocab_size: int, max_n: int,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, tools: ToolCalls | None = None) -> SamplingParams:
     """SamplingParams from the request, checked against the engine (vocabulary, `--max-n`); its
     ValueError becomes a 400 naming the field."""
-    structured, structured_field = structured_outputs(req)
+    structured, structured_field = structured_outputs(req, tools)
     bias = None
     if req.logit_bias:
         try:
@@ -121,10 +127,10 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, max_bytes: int, v
     return out
 
 
-def chat_prompt(req: ChatCompletionRequest, llm: Any, max_bytes: int, add_generation_prompt: bool = True) -> Prompt:
-    for field in ("tools", "functions"):
-        if (req.model_extra or {}).get(field):
-            raise APIError(400, f"{field} is not supported", param=field)
+def chat_prompt(req: ChatCompletionRequest, llm: Any, max_bytes: int, add_generation_prompt: bool = True,
+                tools: ToolCalls | None = None) -> Prompt:
+    """The prompt's token ids through the chat template, with `tools` shown to it when a tool
+    choice other than "none" is in play; assistant tool calls and tool results render too."""
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -141,10 +147,21 @@ def chat_prompt(req: ChatCompletionRequest, llm: Any, max_bytes: int, add_genera
                                    param=f"messages.{i}.content") from None
                 parts.append(part["text"])
             content = "\n".join(parts)
-        messages.append({"role": m.role, "content": content or ""})
-    check_text_size("".join(m["content"] for m in messages), max_bytes, "messages")
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+        msg.update({k: getattr(m, k) for k in ("tool_call_id", "name") if getattr(m, k) is not None})
+        messages.append(msg)
+    calls = [m["tool_calls"] for m in messages if "tool_calls" in m]
+    check_text_size("".join(m["content"] for m in messages) + (json.dumps(calls) if calls else ""), max_bytes,
+                    "messages")
+    if tools is not None:
+        check_text_size(json.dumps(tools.tools), max_bytes, "tools")
     try:
-        ids = llm.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        ids = llm.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                      tools=tools.tools if tools is not None else None)
     except Exception as e:  # jinja raises for roles or orders the template refuses
         raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from e
     return {"prompt_token_ids": ids, "prompt": None}
@@ -224,183 +241,3 @@ class Generation:
         if self.pending:
             self.engine.abort([self.request_ids[i] for i in sorted(self.pending)])
             self.pending.clear()
-
-
-# ---- reply formatting ----------------------------------------------------------------------------------
-
-
-class Formatter:
-    """Builds the OpenAI objects for one request (completion or chat), streamed or whole."""
-
-    def __init__(self, chat: bool, model: str, n: int, tokenizer: Any, num_logprobs: int | None,
-                 include_usage: bool, tokens_as_ids: bool = False, echo_texts: list[str] | None = None,
-                 prompt_only: bool = False):
-        """echo_texts: per prompt, its text, put before each of its choices (completions' `echo`);
-        prompt_only: `max_tokens=0` with echo, so the one token generated is not returned."""
-        self.chat, self.model, self.n = chat, model, n
-        self.echo_texts = echo_texts
-        self.prompt_only = prompt_only
-        self.echoed: set[int] = set()
-        self.tokenizer = tokenizer
-        self.num_logprobs = num_logprobs
-        self.include_usage = include_usage
-        self.tokens_as_ids = tokens_as_ids
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-        self.prompt_tokens: dict[int, int] = {}  # prompt index -> its prompt length
-        self.tokens_sent: dict[int, int] = {}  # choice index -> tokens whose logprobs went out
-        self.text_offset: dict[int, int] = {}
-        self.finished: set[int] = set()
-        self.completion_tokens: dict[int, int] = {}
-
-    def _token(self, tid: int) -> str:
-        return f"token_id:{tid}" if self.tokens_as_ids else self.tokenizer.decode([tid])
-
-    def logprobs(self, choice: int, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> Any:
-        """Logprobs for the tokens of `choice` not sent yet (all of them in a whole reply)."""
-        if self.num_logprobs is None or logprobs is None:
-            return None
-        start = self.tokens_sent.get(choice, 0)
-        self.tokens_sent[choice] = len(token_ids)
-        pairs = list(zip(token_ids[start:], logprobs[start:]))
-        if self.chat:
-            content = []
-            for tid, lp in pairs:
-                s = self._token(tid)
-                top = sorted(lp.items(), key=lambda kv: -kv[1])[: self.num_logprobs]
-                content.append({"token": s, "logprob": lp[tid], "bytes": list(s.encode()),
-                                "top_logprobs": [{"token": self._token(t), "logprob": v,
-                                                  "bytes": list(self._token(t).encode())} for t, v in top]})
-            return {"content": content}
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = self.text_offset.get(choice, 0)
-        for tid, lp in pairs:
-            s = self._token(tid)
-            out["tokens"].append(s)
-            out["token_logprobs"].append(lp[tid])
-            out["top_logprobs"].append({self._token(t): v for t, v in sorted(lp.items(), key=lambda kv: -kv[1])})
-            out["text_offset"].append(offset)
-            offset += len(s)
-        self.text_offset[choice] = offset
-        return out
-
-    def _echo(self, i: int, u: Update) -> tuple[str, dict[str, list] | None]:
-        """Choice i's prompt part, once: its text and, with logprobs, each prompt token's logprob
-        (None for the first) and top logprobs, as vLLM echoes them."""
-        if self.echo_texts is None or i in self.echoed:
-            return "", None
-        self.echoed.add(i)
-        text = self.echo_texts[u.index]
-        if self.num_logprobs is None:
-            return text, None
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = self.text_offset.get(i, 0)
-        lps = u.output.prompt_logprobs or [None] * len(u.output.prompt_token_ids)
-        for tid, lp in zip(u.output.prompt_token_ids, lps):
-            s = self._token(tid)
-            out["tokens"].append(s)
-            out["token_logprobs"].append(None if lp is None else lp[tid])
-            out["top_logprobs"].append(None if lp is None else
-                                       {self._token(t): v for t, v in sorted(lp.items(), key=lambda kv: -kv[1])})
-            out["text_offset"].append(offset)
-            offset += len(s)
-        self.text_offset[i] = offset
-        return text, out
-
-    def _generated(self, i: int, o: Any, delta: str) -> tuple[str, dict[str, list] | None]:
-        if self.prompt_only:
-            return "", None
-        return delta, self.logprobs(i, o.token_ids, o.logprobs)
-
-    @staticmethod
-    def _join(a: dict[str, list] | None, b: dict[str, list] | None) -> dict[str, list] | None:
-        if a is None or b is None:
-            return a or b
-        return {k: a[k] + b[k] for k in a}
-
-    def usage(self) -> dict[str, int]:
-        p, c = sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def _track(self, u: Update) -> None:
-        self.prompt_tokens[u.index] = len(u.output.prompt_token_ids)
-        for o in u.output.outputs:
-            # The EOS or stop token that ended a sample is generated (and counted, as vLLM and
-            # OpenAI do) though not returned; a stop string's tokens are in token_ids.
-            dropped = o.finish_reason == "stop" and not isinstance(o.stop_reason, str)
-            count = 0 if self.prompt_only else len(o.token_ids) + dropped
-            self.completion_tokens[u.index * self.n + o.index] = count
-
-    # whole replies
-
-    def whole(self, finals: dict[int, Update]) -> dict[str, Any]:
-        choices = []
-        for idx in sorted(finals):
-            u = finals[idx]
-            self._track(u)
-            for o in u.output.outputs:
-                i = idx * self.n + o.index
-                echo_text, echo_lp = self._echo(i, u)
-                text, lp = self._generated(i, o, o.text)
-                lp = self._join(echo_lp, lp)
-                choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": o.finish_reason,
-                                          "stop_reason": o.stop_reason}
-                if self.chat:
-                    choice["message"] = {"role": "assistant", "content": o.text}
-                else:
-                    choice["text"] = echo_text + text
-                choices.append(choice)
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage()}
-
-    # streamed replies
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices}
-        if self.include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    def role_chunks(self, num_prompts: int) -> list[str]:
-        if not self.chat:
-            return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]) for i in range(num_prompts * self.n)]
-
-    def update_chunks(self, u: Update) -> list[str]:
-        self._track(u)
-        chunks = []
-        for o, delta in zip(u.output.outputs, u.deltas):
-            i = u.index * self.n + o.index
-            if i in self.finished:
-                continue
-            done = o.finish_reason is not None
-            echo_text, echo_lp = self._echo(i, u)
-            delta, lp = self._generated(i, o, delta)
-            delta, lp = echo_text + delta, self._join(echo_lp, lp)
-            if not delta and not done and not (lp and (lp.get("content") or lp.get("tokens"))):
-                continue
-            choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": o.finish_reason if done else None}
-            if self.chat:
-                choice["delta"] = {"content": delta} if delta else {}
-            else:
-                choice["text"] = delta
-                choice["stop_reason"] = o.stop_reason if done else None
-            if done:
-                self.finished.add(i)
-            chunks.append(self._chunk([choice]))
-        return chunks
-
-    def error_chunk(self, u: Update) -> list[str]:
-        """The engine failed this prompt's request: one error event (as vLLM streams it); the
-        stream then ends as usual."""
-        if not (u.finished and u.output.error):
-            return []
-        body = error_body(500, f"generation failed: {u.output.error}", code="engine_error")
-        return [f"data: {json.dumps(body, ensure_ascii=True)}\n\n"]
-
-    def final_chunks(self) -> list[str]:
-        out = [self._chunk([], self.usage())] if self.include_usage else []
-        return out + ["data: [DONE]\n\n"]
