@@ -86,11 +86,6 @@ def decode(meta: dict[str, Any], tensors: dict[str, np.ndarray], model_cfg: Llam
     return adapter
 
 
-def read_entry(entry: Path, key: str, model_cfg: LlamaConfig, max_lora_rank: int, name: str) -> LoRAAdapter:
-    """The adapter stored in `entry` (`<root>/<key>`); one of `content_cache.DAMAGED` if it is damaged."""
-    return decode(*open_cache(entry.parent).read(key), model_cfg, max_lora_rank, name)
-
-
 def write_entry(root: Path, key: str, adapter: LoRAAdapter) -> Path | None:
     """Write `adapter` under `<root>/<key>` atomically; None (logged) when it could not be written."""
     tensors = {}

@@ -49,7 +49,6 @@ import dataclasses
 import functools
 import logging
 import os
-import shutil
 import threading
 from pathlib import Path
 from typing import Any, Collection, Sequence
@@ -656,17 +655,14 @@ class AdapterManager:
         """The converted adapter: from the disk cache when it has it, else converted (and cached)."""
         key = self._disk_key(req)
         if key is not None:
-            entry = self.disk_cache_dir / key
-            if entry.exists():
-                try:
-                    adapter = dc.read_entry(entry, key, self.model_cfg, self.max_lora_rank, req.lora_name)
-                    self._count("disk_cache_hits")
-                    return adapter
-                except (OSError, ValueError, KeyError, TypeError) as e:
-                    logger.warning("adapter cache entry %s is damaged (%s); rebuilding it", entry, e)
-                    self._count("disk_cache_rebuilds")
-                    shutil.rmtree(entry, ignore_errors=True)
-            self._count("disk_cache_misses")
+            cache = dc.open_cache(self.disk_cache_dir)  # one per read: its stats are this read's
+            adapter = cache.get(key, lambda meta, t: dc.decode(meta, t, self.model_cfg, self.max_lora_rank,
+                                                               req.lora_name))
+            for k in ("hits", "misses", "rebuilds"):
+                if cache.stats[k]:
+                    self._count(f"disk_cache_{k}")
+            if adapter is not None:
+                return adapter
         if req.in_memory:
             adapter = convert_peft_state_dict(req.tensors, req.config, self.model_cfg, self.max_lora_rank,
                                               name=req.lora_name, source=f"memory:{req.content_hash[:16]}")
@@ -674,11 +670,7 @@ class AdapterManager:
             adapter = read_adapter(version[2], self.model_cfg, self.max_lora_rank, name=req.lora_name)
         self._count("conversions")
         if key is not None and (req.in_memory or self._disk_key(req) == key):  # files unchanged while read
-            try:
-                dc.write_entry(self.disk_cache_dir, key, adapter)
-            except OSError as e:  # a full disk or read-only cache: serve it uncached
-                logger.warning("could not write the adapter cache under %s (%s); continuing without it",
-                               self.disk_cache_dir, e)
+            dc.write_entry(self.disk_cache_dir, key, adapter)  # logged and skipped when it cannot be written
         return adapter
 
     def _retire_other_versions(self, version: _Version) -> None:
