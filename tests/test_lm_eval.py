@@ -68,8 +68,11 @@ def setup(real_llm, hf_real, tmp_path_factory):
     spec = {"lm-eval-qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])}
     adapter = make_peft_adapters(hf_real[0], spec, tmp_path_factory.mktemp("lm_eval_adapter"), 7, 0.3)["lm-eval-qv"]
     app = build_app(real_llm, "smollm2", lora_modules={"qv": str(adapter)}, api_key=KEY)
-    with serve_live(real_llm, app) as live:
-        yield live, root, tok_dir, adapter
+    try:
+        with serve_live(real_llm, app) as live:
+            yield live, root, tok_dir, adapter
+    finally:  # real_llm is the session's: the server's adapter (and its lora_int_id) must not outlive this module
+        assert real_llm.engine.adapters.unload("qv")
 
 
 @pytest.mark.parametrize("model", ["smollm2", "qv"])
