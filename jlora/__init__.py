@@ -7,12 +7,14 @@ try:
 except _metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "init_distributed",
+           "__version__"]
 
 # Loaded on first use: SamplingParams and LLM pull in JAX, and `jlora --help`, `jlora --version` or
 # `import jlora.engine_args` should not pay for it.
 _LAZY = {"LLM": "jlora.llm", "LoRARequest": "jlora.adapters.request", "SamplingParams": "jlora.sampling_params",
-         "RequestOutput": "jlora.outputs", "CompletionOutput": "jlora.outputs"}
+         "RequestOutput": "jlora.outputs", "CompletionOutput": "jlora.outputs",
+         "init_distributed": "jlora.distributed"}
 
 
 def __getattr__(name: str):

@@ -51,6 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=d["max_loras"], help="adapter slots on the device")
     p.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"], help="largest adapter rank served")
     p.add_argument("--lora-impl", default=d["lora_impl"], choices=list(LORA_IMPLS), help="LoRA kernel")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices each engine's weights, KV cache and LoRA slots are sharded over")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas (each on its own tensor-parallel devices), requests balanced over them")
     p.add_argument("--token-buckets", default=None,
                    help="comma-separated prefill chunk buckets (default: derived from the sizes)")
     p.add_argument("--lazy", action="store_true",
@@ -89,6 +93,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
                   token_buckets=_buckets(args.token_buckets, "--token-buckets"))
     engine_config(**{k: v for k, v in kwargs.items() if k != "quantization"})  # ValueError naming the field
+    for flag in ("tensor_parallel_size", "data_parallel_size"):
+        value = getattr(args, flag, 1)
+        if value < 1:
+            raise CLIError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+        kwargs[flag] = value
     if args.model is not None and not Path(args.model).exists():
         raise CLIError(f"--model: {args.model!r} does not exist (a GGUF file or a checkpoint directory)")
     return kwargs

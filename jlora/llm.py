@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from jlora import compile_stats
 from jlora.adapters.request import LoRARequest
 from jlora.engine_args import ENGINE_DEFAULTS, engine_config
+from jlora.engine.data_parallel import DataParallelEngine
 from jlora.engine.llm_engine import LLMEngine
 from jlora.models.loading import load_model, resolve_model_path
 from jlora.outputs import RequestOutput
@@ -90,6 +91,8 @@ class LLM:
         max_n: int = ENGINE_DEFAULTS["max_n"],
         max_waiting_seqs: int | None = ENGINE_DEFAULTS["max_waiting_seqs"],
         num_kv_blocks: int | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         warmup: bool = True,
         compilation_cache_dir: str | os.PathLike | None = None,
         use_compilation_cache: bool = True,
@@ -116,6 +119,8 @@ class LLM:
             max_overtakes=max_overtakes, max_n=max_n, max_waiting_seqs=max_waiting_seqs,
             num_kv_blocks=num_kv_blocks)
         path = resolve_model_path(model)  # a missing model path fails here, before anything is read
+        self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
+        device_groups = parallel_devices(path, tensor_parallel_size, data_parallel_size)
         t_checked = time.perf_counter()
         if use_compilation_cache:
             enable_compilation_cache(compilation_cache_dir)
@@ -143,7 +148,8 @@ class LLM:
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else cfg.eos_token_id
         t3 = time.perf_counter()
         with compile_stats.stage("init"):  # the zero-filled KV cache and adapter slots
-            self.engine = LLMEngine(self.model, self.tokenizer, self.config, eos)
+            engines = [LLMEngine(self.model, self.tokenizer, self.config, eos, devices) for devices in device_groups]
+            self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
         if adapter_cache is True and compilation_cache_dir is not None:
             adapter_cache = adapter_cache_dir(compilation_cache_dir)
         self.engine.adapters.set_disk_cache(adapter_cache)
@@ -157,8 +163,14 @@ class LLM:
             self.warmup()
         self.startup_seconds["warmup"] = time.perf_counter() - t4
 
+    @property
+    def runners(self) -> list:
+        """The engine's ModelRunners: one per data-parallel replica."""
+        return list(getattr(self.engine, "runners", [self.engine.runner]))
+
     def warmup(self) -> None:
-        self.engine.runner.warmup(progress=self.progress)
+        for runner in self.runners:
+            runner.warmup(progress=self.progress)
 
     # ---- generation -------------------------------------------------------------------------------
 
@@ -281,28 +293,46 @@ class LLM:
         """Device bytes of the weights, the KV cache and the LoRA slots, with how each is stored.
 
         {"weights": {"bytes", "dtype", "quantization", "int8_bytes", "float_bytes"}, "kv_cache": {"bytes",
-        "dtype", "tokens"}, "lora_slots": {"bytes", "dtype", "slots", "max_rank"}, "total": {"bytes"}}.
+        "dtype", "tokens"}, "lora_slots": {"bytes", "dtype", "slots", "max_rank"}, "total": {"bytes"},
+        "per_device": {device: {"weights", "kv_cache", "lora_slots", "total"}}}. Bytes are what the
+        devices hold: with tensor or data parallelism a sharded array counts its shards, a replicated
+        one each copy (under jax.distributed, this process's devices only).
         bf16 kept as its uint16 bits on XLA:CPU (`jlora.models.quant`) is reported as bfloat16.
         """
         def name(x) -> str:
             return "bfloat16" if x.dtype == jnp.uint16 else str(x.dtype)
 
-        runner = self.engine.runner
-        leaves = jax.tree.leaves(runner.state)
-        int8 = sum(x.nbytes for x in leaves if x.dtype == jnp.int8)
-        total_w = sum(x.nbytes for x in leaves)
-        kv = list(runner.cache.values())
-        slots = jax.tree.leaves(runner.lora_state)
+        per_device: dict[str, dict[str, int]] = {}
+
+        def held(arrays, part: str, only=None) -> int:  # bytes of this process's shards, counted per device
+            total = 0
+            for x in arrays:
+                if only is not None and not only(x):
+                    continue
+                for shard in x.addressable_shards:
+                    row = per_device.setdefault(str(shard.device), {"weights": 0, "kv_cache": 0, "lora_slots": 0})
+                    if only is None:
+                        row[part] += shard.data.nbytes
+                    total += shard.data.nbytes
+            return total
+
+        weights = [x for r in self.runners for x in jax.tree.leaves(r.state)]
+        kv = [x for r in self.runners for x in r.cache.values()]
+        slots = [x for r in self.runners for x in jax.tree.leaves(r.lora_state)]
+        total_w, total_kv, total_slots = held(weights, "weights"), held(kv, "kv_cache"), held(slots, "lora_slots")
+        int8 = held(weights, "weights", only=lambda x: x.dtype == jnp.int8)
+        for row in per_device.values():
+            row["total"] = row["weights"] + row["kv_cache"] + row["lora_slots"]
         report: dict[str, dict[str, object]] = {
             "weights": {"bytes": total_w, "dtype": self.dtype, "quantization": self.quantization,
                         "int8_bytes": int8, "float_bytes": total_w - int8,
                         "activations": getattr(self.model, "quant_act", None) or "float"},
-            "kv_cache": {"bytes": sum(x.nbytes for x in kv), "dtype": name(kv[0]),
-                         "tokens": self.config.kv_capacity_tokens},
-            "lora_slots": {"bytes": sum(x.nbytes for x in slots), "dtype": name(slots[0]) if slots else self.dtype,
+            "kv_cache": {"bytes": total_kv, "dtype": name(kv[0]), "tokens": self.config.kv_capacity_tokens},
+            "lora_slots": {"bytes": total_slots, "dtype": name(slots[0]) if slots else self.dtype,
                            "slots": self.config.max_loras, "max_rank": self.config.max_lora_rank},
         }
         report["total"] = {"bytes": sum(int(v["bytes"]) for v in report.values())}
+        report["per_device"] = per_device
         if print_table:
             print(format_memory_report(report))
         return report
@@ -314,6 +344,27 @@ class LLM:
         return table
 
 
+def parallel_devices(model: str | os.PathLike | Path, tensor_parallel_size: int,
+                     data_parallel_size: int) -> list[list[Any]]:
+    """The device group of each data-parallel replica, tensor_parallel_size devices each, in
+    `jax.devices()` order (under jax.distributed: every process's devices). Checked against the
+    model's heads (`check_tensor_parallel`) and the devices there are, before any weight is read."""
+    from jlora.models.loading import read_model_config
+    from jlora.models.tensor_parallel import check_tensor_parallel
+
+    d = data_parallel_size
+    if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+        raise ValueError(f"data_parallel_size must be a positive int, got {d!r}")
+    check_tensor_parallel(read_model_config(model), tensor_parallel_size)
+    devices = jax.devices()
+    need = tensor_parallel_size * d
+    if need > len(devices):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={d} needs {need} "
+                         f"devices; JAX sees {len(devices)} ({devices[0].platform}). On a CPU, "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={need} makes that many.")
+    return [devices[i * tensor_parallel_size:(i + 1) * tensor_parallel_size] for i in range(d)]
+
+
 def format_memory_report(report: dict[str, dict[str, object]]) -> str:
     """`LLM.memory_report()` as a small table (MB = 1e6 bytes)."""
     w, kv, lo = report["weights"], report["kv_cache"], report["lora_slots"]
@@ -322,4 +373,9 @@ def format_memory_report(report: dict[str, dict[str, object]]) -> str:
             ("kv_cache", kv["bytes"], f"{kv['dtype']}, {kv['tokens']} tokens"),
             ("lora_slots", lo["bytes"], f"{lo['dtype']}, {lo['slots']} slots x rank {lo['max_rank']}"),
             ("total", report["total"]["bytes"], "")]
-    return "\n".join(f"{n:<11} {b / 1e6:9.1f} MB  {d}" for n, b, d in rows)
+    lines = [f"{n:<11} {b / 1e6:9.1f} MB  {d}" for n, b, d in rows]
+    devices = report.get("per_device", {})
+    if len(devices) > 1:
+        lines += [f"  {dev}: weights {r['weights'] / 1e6:.1f} MB, kv_cache {r['kv_cache'] / 1e6:.1f} MB, "
+                  f"lora_slots {r['lora_slots'] / 1e6:.1f} MB" for dev, r in devices.items()]
+    return "\n".join(lines)

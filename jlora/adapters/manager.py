@@ -46,7 +46,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -69,6 +68,7 @@ from jlora.engine.config import default_max_cpu_loras
 from jlora.models import quant
 from jlora.models.config import LORA_MODULES, PACKED_MODULES, LlamaConfig
 from jlora.models.llama import LoRAState, host_zeros, init_lora_state, lora_state_modules
+from jlora.models.tensor_parallel import TensorParallel, lora_spec
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,7 @@ class NoFreeSlotError(RuntimeError):
 # ---- the one jitted write -----------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _set_slot_jit(lora_state: LoRAState, slot: jax.Array, update: dict[str, dict[str, jax.Array]]) -> LoRAState:
+def _set_slot_impl(lora_state: LoRAState, slot: jax.Array, update: dict[str, dict[str, jax.Array]]) -> LoRAState:
     out = {}
     for m, s in lora_state.items():
         out[m] = {}
@@ -89,6 +88,9 @@ def _set_slot_jit(lora_state: LoRAState, slot: jax.Array, update: dict[str, dict
             u = update[m][k]  # [L, in, S*R] / [L, R, out]
             out[m][k] = lax.dynamic_update_slice(s[k], u[:, None].astype(s[k].dtype), (0, slot, 0, 0))
     return out
+
+
+_set_slot_jit = jax.jit(_set_slot_impl, donate_argnums=(0,))
 
 
 def set_slot(
@@ -214,18 +216,32 @@ class LoRASlots:
     donated `set_slot` graph. The engine's ModelRunner holds one, beside the weights and KV cache."""
 
     def __init__(self, model_cfg: LlamaConfig, max_loras: int, max_lora_rank: int, dtype: Any = jnp.float32,
-                 modules: tuple[str, ...] = LORA_MODULES):
-        self.state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, quant.storage_dtype(dtype),
-                                                tuple(modules), zeros=host_zeros)
+                 modules: tuple[str, ...] = LORA_MODULES, tp: TensorParallel | None = None):
+        # Under tensor parallelism (`tp`) each slot array is sharded like its base layer and every
+        # shard is written in place on its own device (jlora.models.tensor_parallel).
+        self.tp = tp
+        if tp is None:
+            self.state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, quant.storage_dtype(dtype),
+                                                    tuple(modules), zeros=host_zeros)
+        else:
+            shapes = init_lora_state(tp.layout_cfg, max_loras, max_lora_rank, quant.storage_dtype(dtype),
+                                     tuple(modules), zeros=jax.ShapeDtypeStruct)
+            self.state = {m: {k: tp.zeros(v.shape, v.dtype, lora_spec(m, k, tp.size)) for k, v in s.items()}
+                          for m, s in shapes.items()}
         self.num_writes = 0
         self._write = None  # the compiled set_slot (warmup, or the first write)
 
+    def _update_sharding(self, module: str, kind: str) -> Any:
+        return None if self.tp is None else self.tp.sharding(lora_spec(module, kind, self.tp.size, slot_axis=False))
+
     def _compiled(self):
         if self._write is None:
-            upd = {m: {k: jax.ShapeDtypeStruct(v.shape[:1] + v.shape[2:], v.dtype) for k, v in s.items()}
-                   for m, s in self.state.items()}
+            upd = {m: {k: jax.ShapeDtypeStruct(v.shape[:1] + v.shape[2:], v.dtype, sharding=self._update_sharding(m, k))
+                       for k, v in s.items()} for m, s in self.state.items()}
+            fn = _set_slot_jit if self.tp is None else jax.jit(
+                _set_slot_impl, donate_argnums=(0,), out_shardings=jax.tree.map(lambda x: x.sharding, self.state))
             with compile_stats.stage("set_slot"):
-                self._write = _set_slot_jit.lower(self.state, np.int32(0), upd).compile()
+                self._write = fn.lower(self.state, np.int32(0), upd).compile()
         return self._write
 
     def warmup(self) -> None:
@@ -235,7 +251,14 @@ class LoRASlots:
     def write(self, writes: Sequence[SlotWrite]) -> None:
         """Apply `writes` in order (a later write to a slot wins); the old state is donated."""
         for w in writes:
-            slot, upd = _checked_write(self.state, w.slot, w.update)
+            update = w.update
+            if self.tp is not None:  # the shard-major column order, then each shard to its device
+                update = {m: {k: self.tp.layout_update(m, k, np.asarray(x)) for k, x in u.items()}
+                          for m, u in update.items()} if set(update) == set(self.state) else update
+            slot, upd = _checked_write(self.state, w.slot, update)
+            if self.tp is not None:
+                upd = {m: {k: jax.device_put(x, self._update_sharding(m, k)) for k, x in u.items()}
+                       for m, u in upd.items()}
             self.state = self._compiled()(self.state, slot, upd)
             self.num_writes += 1
 
@@ -424,6 +447,17 @@ class AdapterManager:
             if self._unloads.get(req.lora_name, 0) == unloads:
                 self._current[req.lora_name] = version
         return handle
+
+    def adopt(self, handle: AdapterHandle) -> None:
+        """Take `handle`, prepared by another manager of the same model and slot shape (a
+        data-parallel replica's), as the current version of its name and keep it in the host cache:
+        an adapter is converted once for all replicas, and `acquire(handle)` works here too."""
+        if not isinstance(handle, AdapterHandle):
+            raise ValueError(f"adopt: expected an AdapterHandle, got {type(handle).__name__}")
+        with self._lock:
+            if self._cached(handle.version) is None:
+                self._store(handle.version, handle)
+            self._current[handle.name] = handle.version
 
     def prepare_async(self, req: LoRARequest) -> concurrent.futures.Future:
         """`prepare(req)` on the manager's background worker: a Future of the AdapterHandle, done at

@@ -22,7 +22,7 @@ import itertools
 import logging
 import random
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from jlora.adapters.manager import AdapterHandle, AdapterManager
 from jlora.adapters.request import LoRARequest
@@ -58,11 +58,13 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, eos_token_id: int | None):
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, eos_token_id: int | None,
+                 devices: Sequence[Any] | None = None):
+        """`devices`: the engine's devices (several: tensor parallel over them; ModelRunner)."""
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
-        self.runner = ModelRunner(model, config, eos_token_id)
+        self.runner = ModelRunner(model, config, eos_token_id, devices)
         self.adapters = AdapterManager(model.cfg, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                                        max_cpu_loras=config.max_cpu_loras, dtype=model.dtype)
         self.scheduler = Scheduler(config, self.adapters)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,8 @@ from jlora.adapters.manager import LoRASlots, SlotWrite
 from jlora.engine.config import EngineConfig
 from jlora.engine.structured import fill_mask
 from jlora.models import quant
-from jlora.models.llama import AttnGroup, Llama, host_zeros, init_cache
+from jlora.models.llama import AttnGroup, Llama, init_cache
+from jlora.models.tensor_parallel import CACHE_SPEC, TensorParallel, fetch, layout_model, weight_spec
 from jlora.sampling import MAX_LOGPROBS, SamplingRow, empty_sampling_batch, fill_sampling_row, sample
 
 if TYPE_CHECKING:
@@ -74,22 +75,46 @@ def _prompt_logprobs(model: Llama, hidden: jax.Array, targets: jax.Array) -> dic
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, config: EngineConfig, eos_token_id: int | None = None):
-        self.cfg = model.cfg
+    """`devices`: the engine's devices, a tensor-parallel mesh over them when there are several
+    (jlora.models.tensor_parallel; default: the first device). Each device then holds its shard
+    of every weight, of the KV cache and of the slots; XLA partitions the one step graph."""
+
+    def __init__(self, model: Llama, config: EngineConfig, eos_token_id: int | None = None,
+                 devices: Sequence[Any] | None = None):
+        self.cfg = model.cfg  # the logical config (what adapters and requests are checked against)
         self.config = config
         self.eos_token_id = eos_token_id  # banned before a row's min_tokens
+        self.tp = TensorParallel.create(model.cfg, list(devices) if devices is not None else jax.devices()[:1])
+        model = layout_model(model, self.tp)
+        self.layout_cfg = model.cfg  # KV heads repeated when tensor_parallel_size exceeds them
         self.graphdef, self.state = nnx.split(model)
         # A flat list of arrays crosses the jit boundary fastest (NNX state flattens in Python).
-        self._weights, self._weights_def = jax.tree.flatten(self.state)
-        # bf16 is kept as its bits on XLA:CPU (jlora.models.quant): a no-op for weights loaded that way.
-        self._weights = [quant.to_storage(w) for w in self._weights]
+        leaves, self._weights_def = jax.tree_util.tree_flatten_with_path(self.state)
+        self._weights = [self._place(path, w) for path, w in leaves]
         self.state = jax.tree.unflatten(self._weights_def, self._weights)
         self.kv_dtype = model.dtype
-        self.cache = init_cache(self.cfg, config.num_kv_blocks, config.block_size, quant.storage_dtype(self.kv_dtype),
-                                zeros=host_zeros)
-        self.lora = LoRASlots(self.cfg, config.max_loras, config.max_lora_rank, model.dtype)
-        self._step = jax.jit(self._step_impl, static_argnames=("lora_impl", "attn_chunk"), donate_argnames=("cache",))
+        self.cache = self._zero_cache()
+        self.lora = LoRASlots(self.cfg, config.max_loras, config.max_lora_rank, model.dtype, tp=self.tp)
+        shardings = None
+        if self.tp.size > 1 or jax.process_count() > 1:  # outputs replicated; the cache keeps its sharding
+            shardings = dict(out_shardings=(self.tp.replicated, {k: x.sharding for k, x in self.cache.items()}))
+        self._step = jax.jit(self._step_impl, static_argnames=("lora_impl", "attn_chunk"), donate_argnames=("cache",),
+                             **(shardings or {}))
         self._executables: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> compiled step
+
+    def _place(self, path: tuple[Any, ...], w: Any) -> jax.Array:
+        """One weight on the mesh: in the shard-major column order and sharded by its name
+        (`weight_spec`); bf16 kept as its bits on XLA:CPU (jlora.models.quant)."""
+        name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
+        if self.tp.size > 1:
+            w = self.tp.layout_weight(name, np.asarray(w))
+        w = quant.to_storage(w)
+        return self.tp.put(w, weight_spec(name, w.shape, w.dtype == jnp.int8, self.tp.size))
+
+    def _zero_cache(self) -> dict[str, jax.Array]:
+        """A zeroed KV cache [L, NB, bs, KVH, Dh], sharded over its KV heads."""
+        return init_cache(self.layout_cfg, self.config.num_kv_blocks, self.config.block_size,
+                          quant.storage_dtype(self.kv_dtype), zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
 
     def _step_impl(self, weights, lora_state, cache, batch, *, lora_impl, attn_chunk):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
@@ -174,19 +199,18 @@ class ModelRunner:
     def step(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
         """Runs one step; returns the sampled tokens i32[R] (and logprob arrays) on the host."""
         shape = batch["dec_positions"].shape + batch["pre_positions"].shape
-        dev = jax.device_put(batch)  # one transfer
+        dev = self.tp.put(batch)  # one transfer (to every device of the mesh)
         if shape not in self._executables:  # lazy mode, or a shape warm-up did not cover
             self._compile([shape])
         out, self.cache = self._executables[shape](self._weights, self.lora.state, self.cache, dev)
-        return jax.device_get(out)
+        return fetch(out)
 
     def reset_cache_if_lost(self) -> bool:
         """After a step raised: if the donated KV cache went with it, start a zeroed one (the engine
         recomputes what the running sequences had in it). True if the cache was reset."""
         if not any(x.is_deleted() for x in self.cache.values()):
             return False
-        self.cache = init_cache(self.cfg, self.config.num_kv_blocks, self.config.block_size, self.kv_dtype,
-                                zeros=host_zeros)
+        self.cache = self._zero_cache()
         return True
 
     def _compile(self, shapes: list[tuple[int, int, int]], progress: bool = False) -> None:
@@ -195,7 +219,7 @@ class ModelRunner:
         if not shapes:
             return
         lowered = {shape: self._step.lower(self._weights, self.lora.state, self.cache,
-                                           jax.device_put(self.empty_batch(shape)),
+                                           self.tp.put(self.empty_batch(shape)),
                                            lora_impl=self.config.lora_impl, attn_chunk=self.config.attn_chunk)
                    for shape in shapes}
 

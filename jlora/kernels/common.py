@@ -17,7 +17,7 @@ def validate_lora_args(x: jax.Array, a: jax.Array, b: jax.Array, slot_ids: jax.A
     """Raise ValueError unless x [T, D], a [N, D, R], b [N, R, O], slot_ids int[T] fit together.
 
     With `splits` (a packed module, see `expand_splits`), a is [N, D, S*R] for S = len(splits)
-    and the splits are output widths adding up to O."""
+    and the splits are output widths adding up to O (or to O / shards, columns shard-major)."""
     for name, arr, want in (("x", x, "[T, D]"), ("a", a, "[N, D, R]"), ("b", b, "[N, R, O]"), ("slot_ids", slot_ids, "[T]")):
         if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
             raise ValueError(f"{name} must be an array {want}, got {type(arr).__name__}")
@@ -46,8 +46,9 @@ def check_splits(splits: tuple[int, ...], a: jax.Array, b: jax.Array) -> None:
     if not isinstance(splits, tuple) or not splits or not all(
             isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in splits):
         raise ValueError(f"splits must be a non-empty tuple of positive ints (output widths), got {splits!r}")
-    if sum(splits) != b.shape[2]:
-        raise ValueError(f"splits {splits} add up to {sum(splits)} but b [N, R, O] has O={b.shape[2]} (b {b.shape})")
+    if b.shape[2] % sum(splits):
+        raise ValueError(f"splits {splits} add up to {sum(splits)}, which does not divide b [N, R, O]'s "
+                         f"O={b.shape[2]} (b {b.shape})")
     if a.shape[2] != len(splits) * b.shape[1]:
         raise ValueError(f"a [N, D, S*R] has {a.shape[2]} lanes but {len(splits)} splits of b's R={b.shape[1]} "
                          f"need {len(splits) * b.shape[1]} (a {a.shape}, b {b.shape})")
@@ -55,7 +56,7 @@ def check_splits(splits: tuple[int, ...], a: jax.Array, b: jax.Array) -> None:
 
 def expand_splits(
     h: jax.Array,  # [..., S*R]: the shrink of a packed module, sub-module s in lanes [s*R, (s+1)*R)
-    b: jax.Array,  # [..., R, O]: sub-module s owns output columns [sum(splits[:s]), sum(splits[:s+1]))
+    b: jax.Array,  # [..., R, O]: per shard, sub-module s owns columns [sum(splits[:s]), sum(splits[:s+1]))
     splits: tuple[int, ...] | None,
     expand,  # (h_s [..., R], b_s [..., R, O_s]) -> [..., O_s]
 ) -> jax.Array:
@@ -63,15 +64,23 @@ def expand_splits(
 
     A packed module's adapters keep each sub-module's A side by side, so the shrink is one matmul
     to S*R lanes; each sub-module's R lanes then expand into its own output columns only (no
-    block-diagonal zeros in B). `splits=None` is one module: `expand(h, b)`."""
+    block-diagonal zeros in B). `splits=None` is one module: `expand(h, b)`.
+
+    Under tensor parallelism the columns are shard-major (`jlora.models.tensor_parallel`): O =
+    shards * sum(splits), each shard's block holding its part of every sub-module. The slicing
+    is then along a per-shard axis, so a sharded B is never gathered (shards = 1: the plain case)."""
     if splits is None:
         return expand(h, b)
-    r = b.shape[-2]
+    r, per_shard = b.shape[-2], sum(splits)
+    shards = b.shape[-1] // per_shard
+    blocks = b.reshape(*b.shape[:-1], shards, per_shard)
     outs, start = [], 0
     for s, w in enumerate(splits):
-        outs.append(expand(h[..., s * r:(s + 1) * r], b[..., start:start + w]))
+        y = expand(h[..., s * r:(s + 1) * r], blocks[..., start:start + w].reshape(*b.shape[:-1], shards * w))
+        outs.append(y.reshape(*y.shape[:-1], shards, w))
         start += w
-    return jnp.concatenate(outs, axis=-1) if len(outs) > 1 else outs[0]
+    y = jnp.concatenate(outs, axis=-1) if len(outs) > 1 else outs[0]
+    return y.reshape(*y.shape[:-2], shards * per_shard)
 
 
 def check_choice(name: str, value: object, choices: tuple) -> None:

@@ -50,12 +50,17 @@ def lora_delta_pallas(
     kernel = lora_delta_pallas_tpu if target == "tpu" else lora_delta_pallas_gpu
     if splits is None:
         return _differentiable(kernel, interpret, x, a, b, slot_ids)
-    r, outs, start = b.shape[1], [], 0
+    # Per sub-module, on its own lanes of a and (per shard, when the columns are shard-major under
+    # tensor parallelism; see `expand_splits`) its own columns of b.
+    r, per_shard, outs, start = b.shape[1], sum(splits), [], 0
+    shards = b.shape[2] // per_shard
+    blocks = b.reshape(*b.shape[:2], shards, per_shard)
     for s, w in enumerate(splits):
-        outs.append(_differentiable(kernel, interpret, x, a[:, :, s * r:(s + 1) * r], b[:, :, start:start + w],
-                                    slot_ids))
+        y = _differentiable(kernel, interpret, x, a[:, :, s * r:(s + 1) * r],
+                            blocks[..., start:start + w].reshape(*b.shape[:2], shards * w), slot_ids)
+        outs.append(y.reshape(y.shape[0], shards, w))
         start += w
-    return jnp.concatenate(outs, axis=-1)
+    return jnp.concatenate(outs, axis=-1).reshape(x.shape[0], shards * per_shard)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -34,6 +34,7 @@ from jlora.kernels import lora_delta
 from jlora.kernels.attention import causal_attention, paged_attention
 from jlora.models import quant
 from jlora.models.config import LORA_MODULES, PACKED_MODULES, LlamaConfig  # LORA_MODULES: PEFT names
+from jlora.models.tensor_parallel import split_packed
 FUSED_MODULES = tuple(PACKED_MODULES)  # ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"): the GEMMs
 TRAINABLE_IMPLS = ("gather", "laned", "pallas")  # lora_delta implementations with a gradient
 KVCache = dict  # {"k": [L, num_blocks, block_size, KVH, Dh], "v": same}
@@ -167,6 +168,8 @@ class Llama(nnx.Module):
             self.lm_head = nnx.Param(
                 nnx.initializers.normal(stddev=0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # a constant, not a trainable Param
+        # Tensor-parallel shards the packed columns are laid out for (`tensor_parallel.layout_model`).
+        self.layout_shards = 1
 
     def forward(
         self,
@@ -257,7 +260,11 @@ class Llama(nnx.Module):
         # XLA:CPU copy) every layer's [N, in, R] block each step, also when no token uses an adapter.
         lora = quant.to_bits(lora_state) or None
         get = (lambda m: lora.get(m)) if lora is not None else (lambda m: None)  # noqa: E731
-        splits = {m: outs if len(outs) > 1 else None for m, (_, outs) in cfg.packed_shapes().items()}
+        # Under tensor parallelism q|k|v and gate|up columns are stored shard-major
+        # (jlora.models.tensor_parallel): the splits are per shard.
+        shards = self.layout_shards
+        packed = cfg.packed_shapes()
+        splits = {m: tuple(w // shards for w in outs) if len(outs) > 1 else None for m, (_, outs) in packed.items()}
 
         # Each layer's sliding window (a scanned i32), or None when the model has none at all; a
         # full-attention layer of a mixed model gets a window past any position.
@@ -279,7 +286,7 @@ class Llama(nnx.Module):
             qkv = linear(y, "qkv_proj")
             if cfg.qkv_bias:
                 qkv = qkv + w["qkv_bias"].astype(qkv.dtype)
-            q, k, v = jnp.split(qkv, [h * dh, (h + kvh) * dh], axis=-1)  # one GEMM
+            q, k, v = split_packed(qkv, packed["qkv_proj"][1], shards)  # one GEMM
             q, k, v = q.reshape(-1, h, dh), k.reshape(-1, kvh, dh), v.reshape(-1, kvh, dh)
             if cfg.qk_norm:
                 q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
@@ -288,7 +295,7 @@ class Llama(nnx.Module):
             o = linear(attn.astype(x.dtype), "o_proj")
             x = x + (o + w["o_bias"].astype(o.dtype) if cfg.o_bias else o)
             y = rms_norm(x, w["post_attention_layernorm"], eps)
-            gate, up = jnp.split(linear(y, "gate_up_proj"), 2, axis=-1)  # one GEMM
+            gate, up = split_packed(linear(y, "gate_up_proj"), packed["gate_up_proj"][1], shards)  # one GEMM
             x = x + linear(jax.nn.silu(gate) * up, "down_proj")
             return (x, state), None
 

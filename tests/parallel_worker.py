@@ -1,0 +1,151 @@
+"""Runs tensor/data-parallel engines in a process of its own (the device count is fixed when JAX
+starts) and prints one JSON line of what it saw; tests/test_parallel.py asserts on it.
+
+    python tests/parallel_worker.py tiny MODEL_DIR ADAPTER_DIR... (4 forced CPU devices)
+    python tests/parallel_worker.py real (3 forced CPU devices, the default model)
+    python tests/parallel_worker.py distributed PORT PROCESS_ID MODEL_DIR ADAPTER_DIR... (one of two processes)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+MODE = sys.argv[1]
+if MODE != "distributed":
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if MODE == 'tiny' else 3}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+SIZES = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, max_loras=2, max_lora_rank=8,
+             token_buckets=(32, 64), progress=False, weights_cache=False, adapter_cache=False)
+PROMPTS = ["Hello there, how", "The capital of France is", "1 2 3 4 5", "Once upon a time",
+           "def add(a, b):", "Water boils at", "The quick brown fox", "In 1969 the first"]
+
+
+def generate(llm, adapters: list[str]) -> dict:
+    """Greedy tokens and top-3 logprobs for PROMPTS, each with its own adapter (one with none);
+    more adapters than slots, so the slots churn."""
+    from jlora import LoRARequest, SamplingParams, compile_stats
+
+    loras = [None if i % 5 == 4 else LoRARequest(f"a{i % len(adapters)}", 1 + i % len(adapters), adapters[i % len(adapters)])
+             for i in range(len(PROMPTS))]
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3)
+    before = compile_stats.compile_count()
+    outs = llm.generate(PROMPTS, params, loras, use_tqdm=False)
+    outs += llm.generate(PROMPTS[::-1], params, loras[::-1], use_tqdm=False)  # churn again, other order
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "logprobs": [[{str(k): float(v) for k, v in d.items()} for d in o.outputs[0].logprobs]
+                         for o in outs],
+            "compiles_after_warmup": compile_stats.compile_count() - before}
+
+
+def shard_fractions(llm) -> dict:
+    """For every array of every runner: its bytes on one device / its whole bytes, by name."""
+    out = {}
+    for r, runner in enumerate(llm.runners):
+        named = {"cache." + k: v for k, v in runner.cache.items()}
+        for path, x in jax.tree_util.tree_flatten_with_path(runner.state)[0]:
+            named["w." + ".".join(str(getattr(k, "key", "")) for k in path if hasattr(k, "key"))] = x
+        for path, x in jax.tree_util.tree_flatten_with_path(runner.lora_state)[0]:
+            named["lora." + ".".join(str(k.key) for k in path)] = x
+        for name, x in named.items():
+            shards = x.addressable_shards
+            out[f"{r}:{name}"] = {"fraction": shards[0].data.size / x.size, "devices": len({s.device for s in shards}),
+                                  "all_same_size": len({s.data.size for s in shards}) == 1}
+    return out
+
+
+def tiny(model_dir: str, adapters: list[str]) -> dict:
+    from jlora import LLM
+
+    result = {"devices": len(jax.devices())}
+    for tp, dp in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
+        llm = LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **SIZES)
+        run = generate(llm, adapters)
+        run["shards"] = shard_fractions(llm)
+        run["memory"] = llm.memory_report()
+        if dp > 1:  # a new request goes to the replica whose slot holds its adapter
+            from jlora import LoRARequest, SamplingParams
+
+            run["routing"] = []
+            for (replica, _), name in sorted(llm.engine.adapters.resident().items()):
+                i = int(name[1:])
+                rid = llm.engine.add_request("Hi", SamplingParams(max_tokens=2), LoRARequest(name, 1 + i, adapters[i]))
+                run["routing"].append([replica, llm.engine.replica_of(rid)])
+                llm.engine.abort(rid)
+                llm.engine.pop_finished(rid)
+        result[f"tp{tp}_dp{dp}"] = run
+        del llm
+    for tp, dp in ((3, 1), (2, 3), (0, 1), (1, 0)):
+        try:
+            LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **SIZES)
+            result[f"error_tp{tp}_dp{dp}"] = None
+        except ValueError as e:
+            result[f"error_tp{tp}_dp{dp}"] = str(e)
+    return result
+
+
+def real() -> dict:
+    """The default model (9 query / 3 KV heads) at TP = 3 against one device, with two real-model
+    random adapters made by peft (all-linear rank 8, and q/v rank 4)."""
+    import tempfile
+
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from jlora import LLM
+    from jlora.models import default_model_path
+
+    path = default_model_path()
+    root = tempfile.mkdtemp()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    adapters = []
+    for i, (r, targets) in enumerate(((8, "all-linear"), (4, ["q_proj", "v_proj"]), (8, ["k_proj", "gate_proj"]))):
+        torch.manual_seed(i)
+        pm = get_peft_model(hf, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False),
+                            adapter_name=f"a{i}")
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+        pm.save_pretrained(root, selected_adapters=[f"a{i}"])
+        pm.unload()
+        adapters.append(f"{root}/a{i}")
+    del hf
+    result = {"devices": len(jax.devices())}
+    for tp in (1, 3):
+        llm = LLM(tensor_parallel_size=tp, **{**SIZES, "weights_cache": True})
+        run = generate(llm, adapters)
+        run["shards"] = shard_fractions(llm)
+        result[f"tp{tp}_dp1"] = run
+        del llm
+    try:
+        LLM(tensor_parallel_size=2, **SIZES)
+        result["error_tp2_dp1"] = None
+    except ValueError as e:
+        result["error_tp2_dp1"] = str(e)
+    return result
+
+
+def distributed(port: str, process_id: str, model_dir: str, adapters: list[str]) -> dict:
+    from jlora import init_distributed
+
+    init_distributed(f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id))
+    from jlora import LLM
+
+    llm = LLM(model_dir, tensor_parallel_size=2, **SIZES)
+    run = generate(llm, adapters)
+    run["devices"] = len(jax.devices())
+    run["local_devices"] = len(jax.local_devices())
+    run["process"] = jax.process_index()
+    return run
+
+
+if __name__ == "__main__":
+    out = {"tiny": lambda: tiny(sys.argv[2], sys.argv[3:]), "real": real,
+           "distributed": lambda: distributed(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])}[MODE]()
+    print("RESULT " + json.dumps(out, default=lambda o: o.item() if isinstance(o, np.generic) else str(o)), flush=True)
