@@ -142,6 +142,27 @@ def test_packed_splits_match_one_call_per_sub_module(impl, splits, case):
     assert err <= TOL[dtype], f"relative error {err:.2e} > {TOL[dtype]:.0e}"
 
 
+@pytest.mark.parametrize("impl", list(PACKED_IMPLS))
+@pytest.mark.parametrize("shards", [2, 3])
+def test_packed_splits_shard_major(impl, shards):
+    """Tensor-parallel layout: b's columns are `shards` blocks, each holding its part of every
+    sub-module (widths `splits`); sub-module s of shard j equals the gather reference on s's lanes
+    and those columns alone."""
+    splits, r = (16, 8, 8), 4
+    x, a, b, s = make(12, 3, len(splits) * r, jnp.float32, o=shards * sum(splits), seed=5)
+    b = b[:, :r]
+    want = np.zeros((12, shards * sum(splits)), np.float32)
+    for j in range(shards):
+        start = j * sum(splits)
+        for k, w in enumerate(splits):
+            cols = slice(start, start + w)
+            want[:, cols] = np.asarray(lora_delta_gather(x, a[:, :, k * r:(k + 1) * r], b[:, :, cols], s))
+            start += w
+    got = PACKED_IMPLS[impl](x, a, b, s, splits=splits)
+    err = np.max(np.abs(np.asarray(got, np.float32) - want)) / np.max(np.abs(want))
+    assert err <= TOL[jnp.float32], f"relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("splits,msg", [((72, 24), "add up to"), ((48, 24, 24, 0), "positive ints"),
                                         ((60, 60), "lanes")])
 def test_packed_splits_validated(splits, msg):

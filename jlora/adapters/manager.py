@@ -257,7 +257,7 @@ class LoRASlots:
                           for m, u in update.items()} if set(update) == set(self.state) else update
             slot, upd = _checked_write(self.state, w.slot, update)
             if self.tp is not None:
-                upd = {m: {k: jax.device_put(x, self._update_sharding(m, k)) for k, x in u.items()}
+                upd = {m: {k: self.tp.put(x, lora_spec(m, k, self.tp.size, slot_axis=False)) for k, x in u.items()}
                        for m, u in upd.items()}
             self.state = self._compiled()(self.state, slot, upd)
             self.num_writes += 1

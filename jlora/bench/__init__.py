@@ -8,6 +8,7 @@
     jlora bench lora-cost          lora_cost.py: jlora with 4 mixed adapters against no adapters
     jlora bench decode-step        decode_step.py: one engine decode step, adapters against none
     jlora bench adapter-load       adapter_load.py: disk -> host -> device slot time of one adapter
+    jlora bench parallel           parallel.py: step time and tokens/s against TP x DP (forced CPU devices)
 
 Each module has a `main(argv) -> int` and imports what it measures only when it runs, so this
 table (and `jlora --help`) costs no JAX import.
@@ -19,7 +20,8 @@ import importlib
 
 # command name -> module under jlora.bench; "e2e" is what a bare `jlora bench` runs
 BENCHMARKS = {"e2e": "workload", "start": "start", "kernels": "kernels", "serve": "serve", "adapters": "adapters",
-              "lora-cost": "lora_cost", "decode-step": "decode_step", "adapter-load": "adapter_load"}
+              "lora-cost": "lora_cost", "decode-step": "decode_step", "adapter-load": "adapter_load",
+              "parallel": "parallel"}
 
 
 def run(name: str, argv: list[str]) -> int:

@@ -24,6 +24,8 @@ import random
 import time
 from typing import Any, Sequence
 
+import jax
+
 from jlora.adapters.manager import AdapterHandle, AdapterManager
 from jlora.adapters.request import LoRARequest
 from jlora.engine.config import EngineConfig
@@ -73,7 +75,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_failed_steps = 0
         self._ids = itertools.count()
-        self._seed_rng = random.Random()
+        # Under jax.distributed every process must draw the same seeds (they feed one global step).
+        self._seed_rng = random.Random(0 if jax.process_count() > 1 else None)
 
     # Read-only views for tests and benchmarks (callers use `stats()`).
     @property

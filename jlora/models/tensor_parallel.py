@@ -184,7 +184,16 @@ class TensorParallel:
     def put(self, x: Any, spec: P = P()) -> jax.Array:
         """A host (or device) array placed on the mesh as `spec`; each device receives only its shard.
         Under jax.distributed every process passes the same value."""
-        return jax.device_put(x, self.sharding(spec))
+        sharding = self.sharding(spec)
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        # Multi-process device_put checks that every process passed the same value, with a
+        # collective compiled per shape; each process builds its shards from its own copy instead.
+        def one(a: Any) -> jax.Array:
+            host = np.asarray(a)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+        return jax.tree.map(one, x)
 
     def zeros(self, shape: tuple[int, ...], dtype: Any, spec: P = P()) -> jax.Array:
         """Zeros sharded as `spec`, made shard by shard on the host (no graph to compile, and no
