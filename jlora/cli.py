@@ -98,6 +98,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if value < 1:
             raise CLIError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
         kwargs[flag] = value
+    if kwargs["tensor_parallel_size"] > 1:  # the heads it must divide are in the config (no weights read)
+        from jlora.models.loading import read_model_config
+        from jlora.models.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(read_model_config(args.model), kwargs["tensor_parallel_size"])
     if args.model is not None and not Path(args.model).exists():
         raise CLIError(f"--model: {args.model!r} does not exist (a GGUF file or a checkpoint directory)")
     return kwargs

@@ -33,6 +33,10 @@ def _error(argv, capsys) -> str:
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "hi", "--max-tokens", "-1"], "--max-tokens must be >= 1, got -1"),
+    (["generate", "hi", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1, got 0"),
+    (["generate", "hi", "--data-parallel-size", "0"], "--data-parallel-size must be >= 1, got 0"),
+    (["generate", "hi", "--tensor-parallel-size", "2"],
+     "--tensor-parallel-size=2 does not divide the model's 9 attention heads; this model can use --tensor-parallel-size in [1, 3]"),
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
     (["generate", "hi", "--temperature", "-0.5"], "--temperature=-0.5: must be a finite number in [0.0, 100.0]"),
     (["generate", "hi", "--temperature", "1e308"], "--temperature=1e+308: must be a finite number in [0.0, 100.0]"),
