@@ -26,6 +26,7 @@ def engine_config(
     dtype: str = "float32",
     max_cpu_loras: int | None = None,
     token_buckets: Seq[int] | None = None,
+    lora_slot_ranks: Seq[int] | None = None,
     lora_impl: str = ENGINE_DEFAULTS["lora_impl"],
     **sizes: Any,
 ) -> EngineConfig:
@@ -38,7 +39,7 @@ def engine_config(
     if lora_impl not in LORA_IMPLS:
         raise ValueError(f"lora_impl must be one of {list(LORA_IMPLS)}, got {lora_impl!r}")
     buckets: dict[str, tuple[int, ...] | None] = {}
-    for name, b in (("token_buckets", token_buckets),):
+    for name, b in (("token_buckets", token_buckets), ("lora_slot_ranks", lora_slot_ranks)):
         if b is not None:  # a list is fine here; the config must hold a (hashable) tuple
             if isinstance(b, (str, bytes)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in b):
                 raise ValueError(f"{name} must be a sequence of ints, got {b!r}")

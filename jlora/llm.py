@@ -79,6 +79,7 @@ class LLM:
         max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"],
         max_loras: int = ENGINE_DEFAULTS["max_loras"],
         max_lora_rank: int = ENGINE_DEFAULTS["max_lora_rank"],
+        lora_slot_ranks: Seq[int] | None = None,
         max_cpu_loras: int | None = None,
         max_cpu_lora_bytes: int | None = None,
         lora_impl: str = ENGINE_DEFAULTS["lora_impl"],
@@ -114,6 +115,7 @@ class LLM:
             dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, token_buckets=token_buckets,
+            lora_slot_ranks=lora_slot_ranks,
             attn_chunk=attn_chunk, block_size=block_size, scheduling_policy=scheduling_policy,
             decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
             max_overtakes=max_overtakes, max_n=max_n, max_waiting_seqs=max_waiting_seqs,
@@ -329,7 +331,8 @@ class LLM:
                         "activations": getattr(self.model, "quant_act", None) or "float"},
             "kv_cache": {"bytes": total_kv, "dtype": name(kv[0]), "tokens": self.config.kv_capacity_tokens},
             "lora_slots": {"bytes": total_slots, "dtype": name(slots[0]) if slots else self.dtype,
-                           "slots": self.config.max_loras, "max_rank": self.config.max_lora_rank},
+                           "slots": self.config.max_loras, "max_rank": self.config.max_lora_rank,
+                           "slot_ranks": list(self.config.slot_ranks)},
         }
         report["total"] = {"bytes": sum(int(v["bytes"]) for v in report.values())}
         report["per_device"] = per_device
@@ -371,7 +374,9 @@ def format_memory_report(report: dict[str, dict[str, object]]) -> str:
     rows = [("weights", w["bytes"], f"{w['dtype']}, quantization={w['quantization']}"
              + (f" (int8 {w['int8_bytes'] / 1e6:.1f} MB, activations {w['activations']})" if w["int8_bytes"] else "")),
             ("kv_cache", kv["bytes"], f"{kv['dtype']}, {kv['tokens']} tokens"),
-            ("lora_slots", lo["bytes"], f"{lo['dtype']}, {lo['slots']} slots x rank {lo['max_rank']}"),
+            ("lora_slots", lo["bytes"], f"{lo['dtype']}, " + (
+                f"{lo['slots']} slots x rank {lo['max_rank']}" if len(set(lo.get("slot_ranks") or [0])) == 1
+                else f"slots of ranks {lo['slot_ranks']}")),
             ("total", report["total"]["bytes"], "")]
     lines = [f"{n:<11} {b / 1e6:9.1f} MB  {d}" for n, b, d in rows]
     devices = report.get("per_device", {})

@@ -213,54 +213,107 @@ class SlotWrite:
 class LoRASlots:
     """The device side of N adapter slots: `state`, the one `lora_state` pytree the step reads, and
     the one way it changes, `write(writes)`: queued `SlotWrite`s, each through the one compiled,
-    donated `set_slot` graph. The engine's ModelRunner holds one, beside the weights and KV cache."""
+    donated `set_slot` graph of its pool. The engine's ModelRunner holds one, beside the weights and
+    KV cache.
+
+    Slots of several ranks (`slot_ranks`, ascending) form pools of equal rank, each its own
+    `{module: {"A", "B"}}` state: then `state` is a tuple of them (slots numbered across the pools
+    in order) and a write narrows its update (padded to max_lora_rank) to its pool's rank."""
 
     def __init__(self, model_cfg: LlamaConfig, max_loras: int, max_lora_rank: int, dtype: Any = jnp.float32,
-                 modules: tuple[str, ...] = LORA_MODULES, tp: TensorParallel | None = None):
+                 modules: tuple[str, ...] = LORA_MODULES, tp: TensorParallel | None = None,
+                 slot_ranks: Sequence[int] | None = None):
         # Under tensor parallelism (`tp`) each slot array is sharded like its base layer and every
         # shard is written in place on its own device (jlora.models.tensor_parallel).
         self.tp = tp
-        if tp is None:
-            self.state: LoRAState = init_lora_state(model_cfg, max_loras, max_lora_rank, quant.storage_dtype(dtype),
-                                                    tuple(modules), zeros=host_zeros)
-        else:
-            shapes = init_lora_state(tp.layout_cfg, max_loras, max_lora_rank, quant.storage_dtype(dtype),
-                                     tuple(modules), zeros=jax.ShapeDtypeStruct)
-            self.state = {m: {k: tp.zeros(v.shape, v.dtype, lora_spec(m, k, tp.size)) for k, v in s.items()}
-                          for m, s in shapes.items()}
+        ranks = tuple(sorted(slot_ranks)) if slot_ranks is not None else (max_lora_rank,) * max_loras
+        if len(ranks) != max_loras or ranks[-1] > max_lora_rank:
+            raise ValueError(f"LoRASlots: slot_ranks={ranks} must have max_loras={max_loras} entries "
+                             f"of at most max_lora_rank={max_lora_rank}")
+        self.pools: list[tuple[int, int, int]] = []  # (first slot, slots, rank)
+        for i, r in enumerate(ranks):
+            if self.pools and self.pools[-1][2] == r:
+                first, n, _ = self.pools[-1]
+                self.pools[-1] = (first, n + 1, r)
+            else:
+                self.pools.append((i, 1, r))
+        self._states = [self._zeros(model_cfg, n, r, dtype, tuple(modules)) for _, n, r in self.pools]
         self.num_writes = 0
-        self._write = None  # the compiled set_slot (warmup, or the first write)
+        self._writes: list[Any] = [None] * len(self.pools)  # each pool's compiled set_slot (warmup, or first write)
+
+    def _zeros(self, model_cfg: LlamaConfig, n: int, rank: int, dtype: Any, modules: tuple[str, ...]) -> LoRAState:
+        if self.tp is None:
+            return init_lora_state(model_cfg, n, rank, quant.storage_dtype(dtype), modules, zeros=host_zeros)
+        shapes = init_lora_state(self.tp.layout_cfg, n, rank, quant.storage_dtype(dtype), modules,
+                                 zeros=jax.ShapeDtypeStruct)
+        return {m: {k: self.tp.zeros(v.shape, v.dtype, lora_spec(m, k, self.tp.size)) for k, v in s.items()}
+                for m, s in shapes.items()}
+
+    @property
+    def state(self) -> LoRAState | tuple[LoRAState, ...]:
+        return self._states[0] if len(self._states) == 1 else tuple(self._states)
 
     def _update_sharding(self, module: str, kind: str) -> Any:
         return None if self.tp is None else self.tp.sharding(lora_spec(module, kind, self.tp.size, slot_axis=False))
 
-    def _compiled(self):
-        if self._write is None:
+    def _compiled(self, p: int):
+        if self._writes[p] is None:
+            state = self._states[p]
             upd = {m: {k: jax.ShapeDtypeStruct(v.shape[:1] + v.shape[2:], v.dtype, sharding=self._update_sharding(m, k))
-                       for k, v in s.items()} for m, s in self.state.items()}
+                       for k, v in s.items()} for m, s in state.items()}
             fn = _set_slot_jit if self.tp is None else jax.jit(
-                _set_slot_impl, donate_argnums=(0,), out_shardings=jax.tree.map(lambda x: x.sharding, self.state))
+                _set_slot_impl, donate_argnums=(0,), out_shardings=jax.tree.map(lambda x: x.sharding, state))
             with compile_stats.stage("set_slot"):
-                self._write = fn.lower(self.state, np.int32(0), upd).compile()
-        return self._write
+                self._writes[p] = fn.lower(state, np.int32(0), upd).compile()
+        return self._writes[p]
 
     def warmup(self) -> None:
-        """Compile the slot write now; writes nothing."""
-        self._compiled()
+        """Compile the slot writes now (one per pool); writes nothing."""
+        for p in range(len(self.pools)):
+            self._compiled(p)
+
+    def _pool_of(self, slot: Any) -> tuple[int, Any]:
+        if len(self.pools) == 1:
+            return 0, slot
+        n = sum(count for _, count, _ in self.pools)
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= int(slot) < n:
+            raise ValueError(f"set_slot: slot={slot!r} must be an int in [0, {n})")
+        p = next(p for p, (first, count, _) in enumerate(self.pools) if first <= slot < first + count)
+        return p, int(slot) - self.pools[p][0]
 
     def write(self, writes: Sequence[SlotWrite]) -> None:
         """Apply `writes` in order (a later write to a slot wins); the old state is donated."""
         for w in writes:
-            update = w.update
+            p, local = self._pool_of(w.slot)
+            update = w.update if len(self.pools) == 1 else _narrow_rank(w.update, self.pools[p][2])
+            state = self._states[p]
             if self.tp is not None:  # the shard-major column order, then each shard to its device
                 update = {m: {k: self.tp.layout_update(m, k, np.asarray(x)) for k, x in u.items()}
-                          for m, u in update.items()} if set(update) == set(self.state) else update
-            slot, upd = _checked_write(self.state, w.slot, update)
+                          for m, u in update.items()} if set(update) == set(state) else update
+            slot, upd = _checked_write(state, local, update)
             if self.tp is not None:
                 upd = {m: {k: self.tp.put(x, lora_spec(m, k, self.tp.size, slot_axis=False)) for k, x in u.items()}
                        for m, u in upd.items()}
-            self.state = self._compiled()(self.state, slot, upd)
+            self._states[p] = self._compiled(p)(state, slot, upd)
             self.num_writes += 1
+
+
+def _narrow_rank(update: SlotUpdate, rank: int) -> SlotUpdate:
+    """A padded update ({"A": [L, in, S*R], "B": [L, R, out]}) cut to `rank` <= R lanes per
+    sub-module (the lanes past the adapter's own rank are zeros, so nothing is lost)."""
+    out = {}
+    for m, u in update.items():
+        a, b = np.asarray(u["A"]), np.asarray(u["B"])
+        r = b.shape[1]
+        if r == rank:
+            out[m] = {"A": a, "B": b}
+            continue
+        if np.any(b[:, rank:]):
+            raise ValueError(f"set_slot: the update for {m!r} uses more than the slot's {rank} lanes")
+        subs = a.shape[-1] // r
+        out[m] = {"A": np.ascontiguousarray(a.reshape(*a.shape[:-1], subs, r)[..., :rank].reshape(*a.shape[:-1], subs * rank)),
+                  "B": np.ascontiguousarray(b[:, :rank])}
+    return out
 
 
 # ---- the manager ----------------------------------------------------------------------------------------
@@ -339,6 +392,7 @@ class AdapterManager:
         modules: tuple[str, ...] = LORA_MODULES,
         max_cpu_lora_bytes: int | None = None,
         disk_cache: bool | str | os.PathLike = False,
+        slot_ranks: Sequence[int] | None = None,
     ):
         """`max_cpu_loras` (default `default_max_cpu_loras(max_loras)`, as the engine's) and `max_cpu_lora_bytes` (default: no bound) bound the
         host LRU cache of converted adapters; `disk_cache` is False (off), True (the default directory,
@@ -353,6 +407,11 @@ class AdapterManager:
         self.model_cfg = model_cfg
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        # Each slot's rank (LoRASlots' pools, ascending): an adapter goes only where it fits.
+        self.slot_ranks = tuple(sorted(slot_ranks)) if slot_ranks is not None else (max_lora_rank,) * max_loras
+        if len(self.slot_ranks) != max_loras or self.slot_ranks[-1] > max_lora_rank:
+            raise ValueError(f"AdapterManager: slot_ranks={self.slot_ranks} must have max_loras={max_loras} "
+                             f"entries of at most max_lora_rank={max_lora_rank}")
         self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         self.modules = tuple(modules)
@@ -502,10 +561,13 @@ class AdapterManager:
                     return i
             current = self._current.get(handle.name) == version
             # An unpinned older version of a current name will be retired: its slot counts as free.
-            victim = self._pick_slot(also_free=lambda s: current and s.name == handle.name, protect=protect)
+            rank = handle.adapter.rank
+            victim = self._pick_slot(also_free=lambda s: current and s.name == handle.name, protect=protect,
+                                     rank=rank)
             if victim is None:
+                fitting = sum(r >= rank for r in self.slot_ranks)
                 raise NoFreeSlotError(
-                    f"all {self.max_loras} adapter slots are pinned by running requests "
+                    f"all {fitting} adapter slots of rank >= {rank} are pinned by running requests "
                     f"({', '.join(repr(s.name) for s in self._slots if s is not None)}); cannot load "
                     f"{handle.name!r} until one is released (or raise max_loras)")
             if current:
@@ -608,12 +670,16 @@ class AdapterManager:
                 raise ValueError(f"lora_int_id={req.lora_int_id} is already used by adapter {name!r}; "
                                  f"{req.lora_name!r} needs its own id (or unload {name!r} first)")
 
-    def _pick_slot(self, also_free, protect: Collection[str] = ()) -> int | None:
+    def _pick_slot(self, also_free, protect: Collection[str] = (), rank: int = 0) -> int | None:
+        """The slot to write an adapter of `rank` into: among slots of at least that rank, a free one
+        (the smallest rank), else retired versions, then unneeded adapters, least recently used first."""
         best, best_key = None, None
         for i, s in enumerate(self._slots):
+            if self.slot_ranks[i] < rank:
+                continue
             if s is None:
-                key = (0, 0, 0, i)  # free slots first, lowest index
-            elif s.pins == 0:  # then retired versions, then unneeded adapters, least recently used first
+                key = (0, 0, self.slot_ranks[i], i)
+            elif s.pins == 0:
                 key = (1 if also_free(s) else 2, s.name in protect, s.last_used, i)
             else:
                 continue

@@ -40,6 +40,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # the longest prefill chunk in one step
     max_loras: int = 4  # device slots
     max_lora_rank: int = 64
+    # Each slot's rank, for slots of several sizes: an adapter of rank r takes the smallest free
+    # slot of rank >= r, and the LoRA math reads each slot's own lanes only (its cost grows with
+    # the sum of the slot ranks, not max_loras x max_lora_rank). None: every slot max_lora_rank.
+    # Sorted ascending; the largest must be max_lora_rank.
+    lora_slot_ranks: tuple[int, ...] | None = None
     max_cpu_loras: int | None = None  # host cache of converted adapters; None = default_max_cpu_loras(max_loras)
     lora_impl: str = "auto"
     block_size: int = 16  # KV cache positions per block
@@ -75,6 +80,19 @@ class EngineConfig:
                              f"(one request of n samples must fit), got {w!r}")
         if not isinstance(self.max_overtakes, int) or self.max_overtakes < 0:
             raise ValueError(f"EngineConfig.max_overtakes must be an int >= 0, got {self.max_overtakes!r}")
+        ranks = self.lora_slot_ranks
+        if ranks is not None:
+            if (isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1
+                                                           for r in ranks)):
+                raise ValueError(f"EngineConfig.lora_slot_ranks must be None or positive ints, got {ranks!r}")
+            ranks = tuple(sorted(ranks))
+            if len(ranks) != self.max_loras:
+                raise ValueError(f"EngineConfig.lora_slot_ranks has {len(ranks)} entries but max_loras={self.max_loras} "
+                                 f"(one rank per slot)")
+            if ranks[-1] != self.max_lora_rank:
+                raise ValueError(f"EngineConfig.lora_slot_ranks={ranks}: the largest must equal "
+                                 f"max_lora_rank={self.max_lora_rank}")
+            object.__setattr__(self, "lora_slot_ranks", None if len(set(ranks)) == 1 else ranks)
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
         if self.num_kv_blocks is None:
@@ -97,6 +115,11 @@ class EngineConfig:
         if list(b) != sorted(set(b)) or b[-1] != chunk or b[0] < 1 or not all(isinstance(x, int) for x in b):
             raise ValueError(f"EngineConfig.token_buckets={b} must be increasing positive ints ending at "
                              f"min(max_num_batched_tokens, max_model_len)={chunk}")
+
+    @property
+    def slot_ranks(self) -> tuple[int, ...]:
+        """Every slot's rank, ascending."""
+        return self.lora_slot_ranks or (self.max_lora_rank,) * self.max_loras
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -68,7 +68,8 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         self.runner = ModelRunner(model, config, eos_token_id, devices)
         self.adapters = AdapterManager(model.cfg, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                                       max_cpu_loras=config.max_cpu_loras, dtype=model.dtype)
+                                       max_cpu_loras=config.max_cpu_loras, dtype=model.dtype,
+                                       slot_ranks=config.slot_ranks)
         self.scheduler = Scheduler(config, self.adapters)
         self.output = OutputProcessor(config.max_model_len, eos_token_id)
         self.grammars = GrammarCompiler(tokenizer, model.cfg.vocab_size)

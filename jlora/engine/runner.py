@@ -94,7 +94,8 @@ class ModelRunner:
         self.state = jax.tree.unflatten(self._weights_def, self._weights)
         self.kv_dtype = model.dtype
         self.cache = self._zero_cache()
-        self.lora = LoRASlots(self.cfg, config.max_loras, config.max_lora_rank, model.dtype, tp=self.tp)
+        self.lora = LoRASlots(self.cfg, config.max_loras, config.max_lora_rank, model.dtype, tp=self.tp,
+                              slot_ranks=config.slot_ranks)
         shardings = None
         if self.tp.size > 1 or jax.process_count() > 1:  # outputs replicated; the cache keeps its sharding
             shardings = dict(out_shardings=(self.tp.replicated, {k: x.sharding for k, x in self.cache.items()}))
@@ -130,7 +131,7 @@ class ModelRunner:
         return out, cache
 
     @property
-    def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}
+    def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}; a tuple of them per pool
         return self.lora.state
 
     def write_slots(self, writes: tuple[SlotWrite, ...]) -> None:

@@ -97,7 +97,8 @@ class RMSNorm(nnx.Module):
 def lora_linear(
     x: jax.Array,  # [T, in]
     kernel: jax.Array | quant.QArray,  # [in, out], float or int8
-    lora: dict[str, jax.Array] | None,  # {"A": [N, in, R], "B": [N, R, out]}, or [L, ...] with `layer`; or None
+    lora: dict[str, jax.Array] | tuple[dict[str, jax.Array], ...] | None,  # {"A": [N, in, R], "B": [N, R, out]}
+    #   ([L, ...] with `layer`); a tuple of them for slot pools of several ranks; or None
     slot_ids: jax.Array,  # i32[T]
     lora_impl: str,
     enabled: jax.Array | None = None,  # bool scalar: False skips the LoRA term (no token has an adapter)
@@ -107,14 +108,22 @@ def lora_linear(
     y = quant.linear(x, kernel)
     if lora is None:
         return y
+    pools = lora if isinstance(lora, tuple) else (lora,)
 
     def with_delta() -> jax.Array:
-        a, b = lora["A"], lora["B"]
-        if layer is not None:  # sliced here, inside the cond: a step without adapters never reads the slots
-            a = jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
-            b = jax.lax.dynamic_index_in_dim(b, layer, 0, keepdims=False)
-        a, b = quant.widen(a), quant.widen(b)  # bf16 slots travel as bits on XLA:CPU
-        return y + lora_delta(x, a, b, slot_ids, impl=lora_impl, splits=splits).astype(y.dtype)
+        out, first = y, 0
+        for pool in pools:  # slots numbered across the pools in order; a pool reads its own ids only
+            a, b = pool["A"], pool["B"]
+            if layer is not None:  # sliced here, inside the cond: a step without adapters never reads the slots
+                a = jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+                b = jax.lax.dynamic_index_in_dim(b, layer, 0, keepdims=False)
+            n = a.shape[0]
+            ids = slot_ids if len(pools) == 1 else jnp.where(
+                (slot_ids >= first) & (slot_ids < first + n), slot_ids - first, -1)
+            a, b = quant.widen(a), quant.widen(b)  # bf16 slots travel as bits on XLA:CPU
+            out = out + lora_delta(x, a, b, ids, impl=lora_impl, splits=splits).astype(y.dtype)
+            first += n
+        return out
 
     return with_delta() if enabled is None else jax.lax.cond(enabled, with_delta, lambda: y)
 
@@ -259,7 +268,12 @@ class Llama(nnx.Module):
         # The stacked slots are a loop constant, not a scanned input: scanning them would slice (and on
         # XLA:CPU copy) every layer's [N, in, R] block each step, also when no token uses an adapter.
         lora = quant.to_bits(lora_state) or None
-        get = (lambda m: lora.get(m)) if lora is not None else (lambda m: None)  # noqa: E731
+        pools = lora if isinstance(lora, tuple) else (lora,)  # slot pools of several ranks, or one
+
+        def get(m: str):
+            if lora is None or m not in pools[0]:
+                return None
+            return tuple(p[m] for p in pools) if len(pools) > 1 else pools[0][m]
         # Under tensor parallelism q|k|v and gate|up columns are stored shard-major
         # (jlora.models.tensor_parallel): the splits are per shard.
         shards = self.layout_shards

@@ -130,7 +130,7 @@ def engine_kwargs(flags: dict[str, Any]) -> dict[str, Any]:
     for name, value in flags.items():
         if name not in accepted or name == "model" or value is None:
             continue
-        if name.endswith("_buckets"):
+        if name.endswith("_buckets") or name == "lora_slot_ranks":
             value = tuple(int(x) for x in str(value).split(","))
         kw[name] = value
     return kw
@@ -198,7 +198,8 @@ def engine_flags(flags: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, value in flags.items():
         if name in names and value is not None:
-            out[name] = tuple(int(x) for x in str(value).split(",")) if name.endswith("_buckets") else value
+            out[name] = (tuple(int(x) for x in str(value).split(","))
+                         if name.endswith("_buckets") or name == "lora_slot_ranks" else value)
     return out
 
 
