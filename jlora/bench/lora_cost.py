@@ -7,7 +7,10 @@ round-robin; one engine (max_loras=4, max_lora_rank=32); both systems timed in i
 rounds in one process, median (and best) per system. The number to compare across versions is the ratio
 mixed / base (absolute tok/s move with the machine's load).
 
-    jlora bench lora-cost [--rounds 3] [--lora-impl auto]
+    jlora bench lora-cost [--rounds 3] [--lora-impl auto] [--slot-ranks uniform,8/8/16/32]
+
+`--slot-ranks` times engines whose 4 slots have these ranks (`LLM(lora_slot_ranks=...)`; "uniform":
+every slot rank 32) side by side, each with and without adapters.
 
 `--packages jlora,jlora_old` runs several copies of jlora in one process, rounds interleaved
 (an older checkout copied under another package name, every `jlora` import renamed), so a
@@ -44,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-impl", default="auto")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--packages", default="jlora", help="comma-separated jlora copies to time side by side")
+    p.add_argument("--slot-ranks", default="uniform",
+                   help="comma-separated slot configurations: 'uniform' or ranks joined by '/' (e.g. 8/8/16/32)")
     args = p.parse_args(argv)
+    configs = [None if c == "uniform" else tuple(int(r) for r in c.split("/")) for c in args.slot_ranks.split(",")]
 
     import importlib
 
@@ -52,10 +58,13 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(tempfile.mkdtemp(prefix="jlora-lora-cost-"))
     params, prompts, paths, runs = None, None, None, []  # runs: (package, system, fn)
-    for pkg in args.packages.split(","):
+    systems = [(pkg, ranks) for pkg in args.packages.split(",") for ranks in configs]
+    names = [pkg if ranks is None else f"{pkg}[{'/'.join(map(str, ranks))}]" for pkg, ranks in systems]
+    for (pkg, ranks), sysname in zip(systems, names):
         mod = importlib.import_module(pkg)
+        extra = {} if ranks is None else {"lora_slot_ranks": ranks}
         llm = mod.LLM(max_model_len=args.max_model_len, max_num_seqs=16, max_num_batched_tokens=512, max_loras=4,
-                      max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False)
+                      max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False, **extra)
         paths = paths or write_adapters(root, llm.engine.adapters.model_cfg)
         reqs = [mod.LoRARequest(p.name, i + 1, str(p)) for i, p in enumerate(paths)]
         prompts = prompts or [{"prompt_token_ids": ids} for ids in make_prompts(llm.tokenizer, args.requests, 16, 64)]
@@ -67,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             return sum(len(o.outputs[0].token_ids) for o in outs)
 
         run(per_prompt)  # adapters into their slots (not timed)
-        runs += [(pkg, "mixed", lambda run=run, p=per_prompt: run(p)), (pkg, "base", lambda run=run: run(None))]
-    counters = {pkg: importlib.import_module(f"{pkg}.compile_stats") for pkg in args.packages.split(",")}
+        runs += [(sysname, "mixed", lambda run=run, p=per_prompt: run(p)), (sysname, "base", lambda run=run: run(None))]
+    counters = {n: importlib.import_module(f"{pkg}.compile_stats") for (pkg, _), n in zip(systems, names)}
     before = {pkg: c.compile_count() for pkg, c in counters.items()}
     secs: dict[tuple[str, str], list[float]] = {(pkg, name): [] for pkg, name, _ in runs}
     tokens: dict[tuple[str, str], int] = {}
@@ -78,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens[pkg, name] = fn()
             secs[pkg, name].append(time.perf_counter() - t)
     out: dict = {"lora_impl": args.lora_impl, "rounds": args.rounds}
-    for pkg in args.packages.split(","):
+    for pkg in names:
         tok_s = {n: tokens[pkg, n] / statistics.median(secs[pkg, n]) for n in ("mixed", "base")}
         best = {n: tokens[pkg, n] / min(secs[pkg, n]) for n in ("mixed", "base")}  # least disturbed round
         out[pkg] = {"tok_s": tok_s, "mixed_over_base": tok_s["mixed"] / tok_s["base"], "best_tok_s": best,
