@@ -25,6 +25,14 @@ from jlora.bench.docs import ANALYSIS_MARKER, DOCS
 from jlora.plot import bar_chart_svg
 
 RANKS = (8, 16, 8, 32)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# --adapters: (rank, peft target_modules) of each of the 4 adapters. "reference" is issue 18's shape
+# (ranks 4/16/8/24, mixed targets), where peft's per-adapter loop does less work than on all-linear.
+ADAPTER_SETS = {
+    "all-linear": tuple((r, "all-linear") for r in RANKS),
+    "reference": ((4, ["q_proj", "v_proj"]), (16, "all-linear"), (8, ATTENTION), (24, MLP)),
+}
 # jlora modes: name -> LLM keyword arguments. "float32" is the reference every ratio is taken against.
 MODES = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
          "int8-weight-only": {"quantization": "int8-weight-only"}}
@@ -53,15 +61,20 @@ def make_prompts(tokenizer: Any, n: int, lo: int, hi: int, seed: int = 0) -> lis
     return out
 
 
-def make_peft_adapters(hf_model: Any, root: Path, ranks=RANKS) -> list[Path]:
+def describe_adapters(name: str) -> str:
+    """'rank 4 on q_proj/v_proj, rank 16 on all-linear, ...' for an ADAPTER_SETS entry."""
+    return ", ".join(f"rank {r} on {t if isinstance(t, str) else '/'.join(t)}" for r, t in ADAPTER_SETS[name])
+
+
+def make_peft_adapters(hf_model: Any, root: Path, adapters=ADAPTER_SETS["all-linear"]) -> list[Path]:
     import torch
     from peft import LoraConfig, get_peft_model
 
     paths = []
-    for i, r in enumerate(ranks):
+    for i, (r, targets) in enumerate(adapters):
         torch.manual_seed(i)
         name = f"bench{i}-r{r}"
-        pm = get_peft_model(hf_model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear",
+        pm = get_peft_model(hf_model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets,
                                                  init_lora_weights=False), adapter_name=name)
         pm.save_pretrained(root, selected_adapters=[name])
         pm.unload()
@@ -138,9 +151,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
     tmp = Path(tempfile.mkdtemp(prefix="jlora-bench-"))
-    adapter_paths = make_peft_adapters(hf, tmp)
+    adapter_set = ADAPTER_SETS[args.adapters]
+    adapter_paths = make_peft_adapters(hf, tmp, adapter_set)
+    ranks = [r for r, _ in adapter_set]
+    # --slot-ranks: each slot as wide as one adapter's rank (LLM(lora_slot_ranks=)), else max_lora_rank each
+    slots = dict(max_loras=4, max_lora_rank=max(ranks), lora_slot_ranks=tuple(ranks) if args.slot_ranks else None)
     llm = LLM(max_model_len=args.max_model_len, max_num_seqs=16, max_num_batched_tokens=512,
-              max_loras=4, max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=True)
+              lora_impl=args.lora_impl, progress=True, **slots)
     prompts = make_prompts(llm.tokenizer, args.requests, 16, 64)
     reqs = [LoRARequest(p.name, i + 1, str(p)) for i, p in enumerate(adapter_paths)]
     per_prompt = [reqs[i % 4] for i in range(len(prompts))]
@@ -161,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The other jlora modes: same sizes, one engine each.
     modes = [m for m in args.modes if m != "float32"]
     mode_llms = {m: LLM(max_model_len=args.max_model_len, max_num_seqs=16, max_num_batched_tokens=512,
-                        max_loras=4, max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=True, **MODES[m])
+                        lora_impl=args.lora_impl, progress=True, **slots, **MODES[m])
                  for m in modes}
 
     chat_prompts = [llm.apply_chat_template([{"role": "user", "content": q}])
@@ -255,8 +272,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Larger batches: the same workload shape with B requests running at once (B = max_num_seqs).
     result["batch_sizes"] = {}
     for b in args.batch_sizes:
-        big = LLM(max_model_len=args.max_model_len, max_num_seqs=b, max_num_batched_tokens=512, max_loras=4,
-                  max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False)
+        big = LLM(max_model_len=args.max_model_len, max_num_seqs=b, max_num_batched_tokens=512,
+                  lora_impl=args.lora_impl, progress=False, **slots)
         ids = make_prompts(big.tokenizer, b, 16, 64, seed=2)
         loras = [reqs[i % 4] for i in range(b)]
         run_b = lambda: sum(len(o.outputs[0].token_ids) for o in big.generate(  # noqa: E731
@@ -280,7 +297,9 @@ def to_markdown(r: dict[str, Any], args: argparse.Namespace) -> str:
     peft = th["transformers+peft, 4 adapters mixed"]
     lines = [
         f"Reference workload: SmolLM2-135M-Instruct float32, {args.requests} requests, 16-64 prompt tokens, "
-        f"{args.new_tokens} new tokens, greedy, EOS ignored, 4 peft adapters (ranks {RANKS}, all linear layers) "
+        f"{args.new_tokens} new tokens, greedy, EOS ignored, 4 peft adapters "
+        f"({describe_adapters(args.adapters)}) "
+        f"{'in slots of those ranks ' if args.slot_ranks else ''}"
         f"round-robin; median of {args.rounds} interleaved rounds; torch threads={args.threads}.",
         "",
         "| system | output tok/s | vs transformers+peft | vs jlora without adapters |",
@@ -359,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"jlora modes to measure, comma-separated, from {list(MODES)} (float32 always runs)")
     p.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",") if x], default=[32, 64],
                    help="also run B requests at once with max_num_seqs=B, for each B (comma-separated; '' for none)")
+    p.add_argument("--adapters", default="all-linear", choices=list(ADAPTER_SETS),
+                   help="the 4 adapters' ranks and targets: all-linear (8/16/8/32) or reference (issue 18: "
+                        "4 on q/v, 16 all-linear, 8 attention, 24 MLP)")
+    p.add_argument("--slot-ranks", action="store_true",
+                   help="jlora's 4 slots as wide as the 4 adapters' ranks (lora_slot_ranks) instead of the largest each")
     p.add_argument("--write", action="store_true",
                    help="write the table into docs/benchmarks.md and the chart into docs/benchmarks.svg")
     p.add_argument("--json", default=None, help="also dump raw results to this file")
