@@ -6,7 +6,9 @@ reference workload's engine), rows round-robin over the adapters at ~48 cached p
 batches alternate call by call; medians over `--reps` calls each. Less noisy on a shared machine
 than whole `generate` runs (`jlora bench lora-cost`), which also include prefill.
 
-    jlora bench decode-step [--reps 40] [--lora-impl auto]
+    jlora bench decode-step [--reps 40] [--lora-impl auto] [--slot-ranks uniform,8/8/16/32]
+
+`--slot-ranks`: engines whose 4 slots have these ranks (`lora_slot_ranks`; "uniform": rank 32 each).
 
 `--packages jlora,jlora_old` times several copies of jlora in one process, calls interleaved
 (an older checkout copied under another package name, e.g. `git archive REV jlora` with every
@@ -33,18 +35,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--lora-impl", default="auto")
     p.add_argument("--packages", default="jlora", help="comma-separated jlora copies to time side by side")
+    p.add_argument("--slot-ranks", default="uniform",
+                   help="comma-separated slot configurations: 'uniform' or ranks joined by '/' (e.g. 8/8/16/32)")
     args = p.parse_args(argv)
+    configs = [None if c == "uniform" else tuple(int(r) for r in c.split("/")) for c in args.slot_ranks.split(",")]
 
     import importlib
 
     root = Path(tempfile.mkdtemp(prefix="jlora-step-"))
     paths = None
     calls = []  # (package, name, fn)
-    for pkg in args.packages.split(","):
+    systems = [(pkg, ranks) for pkg in args.packages.split(",") for ranks in configs]
+    names = [pkg if ranks is None else f"{pkg}[{'/'.join(map(str, ranks))}]" for pkg, ranks in systems]
+    for (pkg, ranks), sysname in zip(systems, names):
         mod = importlib.import_module(pkg)
         llm = mod.LLM(max_model_len=256, max_num_seqs=args.rows, max_num_batched_tokens=256, max_loras=4,
                       max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False,
-                      decode_row_buckets=(args.rows,))
+                      decode_row_buckets=(args.rows,), **({} if ranks is None else {"lora_slot_ranks": ranks}))
         eng = llm.engine
         paths = paths or write_adapters(root, eng.adapters.model_cfg)
         slots = [eng.adapters.acquire(eng.adapters.prepare(mod.LoRARequest(p.name, i + 1, str(p))))
@@ -63,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, b in (("mixed", mixed), ("base", base)):
             fn = (lambda eng, b: lambda: eng.runner.step(b))(eng, b)
             fn()  # compiled at start-up; once more to settle
-            calls.append((pkg, name, fn))
+            calls.append((sysname, name, fn))
     times: dict[tuple[str, str], list[float]] = {(pkg, name): [] for pkg, name, _ in calls}
     for _ in range(args.reps):
         for pkg, name, fn in calls:
@@ -71,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             fn()
             times[pkg, name].append(time.perf_counter() - t)
     out = {"lora_impl": args.lora_impl, "rows": args.rows, "reps": args.reps}
-    for pkg in args.packages.split(","):
+    for pkg in names:
         med = {name: statistics.median(times[pkg, name]) * 1e3 for name in ("mixed", "base")}
         out[pkg] = {"step_ms": med, "lora_ms": med["mixed"] - med["base"], "base_over_mixed": med["base"] / med["mixed"]}
     print(json.dumps(out, indent=1))
