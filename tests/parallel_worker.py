@@ -4,6 +4,7 @@ starts) and prints one JSON line of what it saw; tests/test_parallel.py asserts 
     python tests/parallel_worker.py tiny MODEL_DIR ADAPTER_DIR... (4 forced CPU devices)
     python tests/parallel_worker.py real (3 forced CPU devices, the default model)
     python tests/parallel_worker.py distributed PORT PROCESS_ID MODEL_DIR ADAPTER_DIR... (one of two processes)
+    python tests/parallel_worker.py serve MODEL_DIR ADAPTER_DIR... (the OpenAI server over TP 2 x DP 2)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 
 MODE = sys.argv[1]
 if MODE != "distributed":
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if MODE == 'tiny' else 3}"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={3 if MODE == 'real' else 4}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -145,7 +146,42 @@ def distributed(port: str, process_id: str, model_dir: str, adapters: list[str])
     return run
 
 
+def serve(model_dir: str, adapters: list[str]) -> dict:
+    """`jlora serve`'s app live on 127.0.0.1 over TP 2 x DP 2: concurrent openai clients, each
+    request its own adapter (or none), against offline generation on the same engine."""
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from live import KEY, serve_live
+
+    from jlora import LLM
+    from jlora.server.app import build_app
+
+    llm = LLM(model_dir, tensor_parallel_size=2, data_parallel_size=2, **SIZES)
+    names = [f"a{i}" for i in range(len(adapters))]
+    app = build_app(llm, "tiny", lora_modules=dict(zip(names, adapters)), api_key=KEY)
+    jobs = [(PROMPTS[i], None if i % 5 == 4 else names[i % len(names)]) for i in range(len(PROMPTS))] * 2
+    with serve_live(llm, app) as live:
+        client = live.client()
+
+        def one(job):
+            prompt, model = job
+            r = client.completions.create(model=model or "tiny", prompt=prompt, max_tokens=8, temperature=0.0,
+                                          extra_body={"ignore_eos": True})
+            return r.choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(one, jobs))
+        offline = [live.offline([p], m, 8)[0].outputs[0].text for p, m in jobs]
+        metrics = live.http().get("/metrics").text
+    return {"texts": texts, "offline": offline,
+            "replicas_with_adapters": sorted({r for r, _ in llm.engine.adapters.resident()}),
+            "metrics_ok": "jlora_kv_blocks_used" in metrics}
+
+
 if __name__ == "__main__":
     out = {"tiny": lambda: tiny(sys.argv[2], sys.argv[3:]), "real": real,
-           "distributed": lambda: distributed(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])}[MODE]()
+           "distributed": lambda: distributed(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]),
+           "serve": lambda: serve(sys.argv[2], sys.argv[3:])}[MODE]()
     print("RESULT " + json.dumps(out, default=lambda o: o.item() if isinstance(o, np.generic) else str(o)), flush=True)

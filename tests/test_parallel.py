@@ -152,6 +152,17 @@ def test_two_processes_with_jax_distributed_match_one(tiny_dir, tiny_adapters, t
         assert r["compiles_after_warmup"] == 0
 
 
+def test_openai_server_over_tensor_and_data_parallel_engines(tiny_dir, tiny_adapters):
+    """The server over TP 2 x DP 2, live on 127.0.0.1: 16 concurrent openai-client completions with
+    four adapters and the base model give the offline engine's text, and both replicas hold adapters."""
+    path, _ = tiny_dir
+    r = run_worker("serve", str(path), *map(str, tiny_adapters[:4]))
+    assert len(r["texts"]) == 16 and all(r["texts"])
+    assert r["texts"] == r["offline"]
+    assert r["replicas_with_adapters"] == [0, 1]
+    assert r["metrics_ok"]
+
+
 @pytest.fixture(scope="module")
 def real_result():
     return run_worker("real", timeout=1500)
