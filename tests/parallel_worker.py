@@ -51,8 +51,8 @@ def shard_fractions(llm) -> dict:
         named = {"cache." + k: v for k, v in runner.cache.items()}
         for path, x in jax.tree_util.tree_flatten_with_path(runner.state)[0]:
             named["w." + ".".join(str(getattr(k, "key", "")) for k in path if hasattr(k, "key"))] = x
-        for path, x in jax.tree_util.tree_flatten_with_path(runner.lora_state)[0]:
-            named["lora." + ".".join(str(k.key) for k in path)] = x
+        for path, x in jax.tree_util.tree_flatten_with_path(runner.lora_state)[0]:  # pools: a leading index
+            named["lora." + ".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in path)] = x
         for name, x in named.items():
             shards = x.addressable_shards
             out[f"{r}:{name}"] = {"fraction": shards[0].data.size / x.size, "devices": len({s.device for s in shards}),
@@ -81,6 +81,15 @@ def tiny(model_dir: str, adapters: list[str]) -> dict:
                 llm.engine.pop_finished(rid)
         result[f"tp{tp}_dp{dp}"] = run
         del llm
+    # The int8 and bfloat16 layouts, and slots of several ranks, sharded too: each against its own one-device run.
+    for name, extra in (("int8", {"quantization": "int8"}), ("bfloat16", {"dtype": "bfloat16"}),
+                        ("slot_ranks", {"max_loras": 3, "lora_slot_ranks": (2, 4, 8)})):
+        for tp in (1, 2):
+            llm = LLM(model_dir, tensor_parallel_size=tp, **{**SIZES, **extra})
+            run = generate(llm, adapters)
+            run["shards"] = shard_fractions(llm)
+            result[f"{name}_tp{tp}"] = run
+            del llm
     for tp, dp in ((3, 1), (2, 3), (0, 1), (1, 0)):
         try:
             LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **SIZES)

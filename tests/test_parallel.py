@@ -89,6 +89,26 @@ def test_tiny_each_device_holds_its_shard(tiny_result, run, tp):
             assert info["devices"] == tp and info["all_same_size"], (replica, name, info)
 
 
+@pytest.mark.parametrize("layout", ["int8", "bfloat16", "slot_ranks"])
+def test_tiny_int8_bf16_and_ranked_slots_shard_too(tiny_result, layout):
+    """int8 weights (q [L, out, in] + per-channel scales), bfloat16 (kept as bits on CPU) and slot
+    pools of several ranks under TP = 2: the same tokens as their own one-device engine."""
+    base, got = tiny_result[f"{layout}_tp1"], tiny_result[f"{layout}_tp2"]
+    assert got["tokens"] == base["tokens"]
+    assert got["compiles_after_warmup"] == 0
+    tol = 1e-4 if layout != "bfloat16" else 2e-2  # bf16 storage: different partial sums round differently
+    assert max_logprob_diff(got["logprobs"], base["logprobs"]) <= tol
+    shards = got["shards"]
+    assert shards["0:w.layers.qkv_proj"]["fraction"] == pytest.approx(0.5)
+    assert shards["0:cache.k"]["fraction"] == pytest.approx(0.5)
+    if layout == "int8":
+        assert shards["0:w.layers.qkv_proj_scale"]["fraction"] == pytest.approx(0.5)  # per output column
+        assert shards["0:w.layers.down_proj_scale"]["fraction"] == 1.0  # row-parallel: whole
+    if layout == "slot_ranks":
+        for pool in range(3):  # every pool's B of a column-parallel module is split on its output
+            assert shards[f"0:lora.{pool}.qkv_proj.B"]["fraction"] == pytest.approx(0.5)
+
+
 def test_tiny_memory_report_per_device(tiny_result):
     one = tiny_result["tp1_dp1"]["memory"]
     four = tiny_result["tp4_dp1"]["memory"]
