@@ -7,6 +7,7 @@ batches alternate call by call; medians over `--reps` calls each. Less noisy on 
 than whole `generate` runs (`jlora bench lora-cost`), which also include prefill.
 
     jlora bench decode-step [--reps 40] [--lora-impl auto] [--slot-ranks uniform,8/8/16/32]
+                            [--modes float32,int8]
 
 `--slot-ranks`: engines whose 4 slots have these ranks (`lora_slot_ranks`; "uniform": rank 32 each).
 
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from jlora.bench.lora_cost import RANKS, write_adapters
+from jlora.bench.workload import MODES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--lora-impl", default="auto")
     p.add_argument("--packages", default="jlora", help="comma-separated jlora copies to time side by side")
+    p.add_argument("--modes", default="float32",
+                   help="comma-separated modes of `jlora bench` (float32, bfloat16, int8, int8-weight-only)")
     p.add_argument("--slot-ranks", default="uniform",
                    help="comma-separated slot configurations: 'uniform' or ranks joined by '/' (e.g. 8/8/16/32)")
     args = p.parse_args(argv)
@@ -45,13 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="jlora-step-"))
     paths = None
     calls = []  # (package, name, fn)
-    systems = [(pkg, ranks) for pkg in args.packages.split(",") for ranks in configs]
-    names = [pkg if ranks is None else f"{pkg}[{'/'.join(map(str, ranks))}]" for pkg, ranks in systems]
-    for (pkg, ranks), sysname in zip(systems, names):
+    modes = args.modes.split(",")
+    systems = [(pkg, ranks, mode) for pkg in args.packages.split(",") for ranks in configs for mode in modes]
+    names = [pkg + ("" if ranks is None else f"[{'/'.join(map(str, ranks))}]") + ("" if len(modes) == 1 else f" {mode}")
+             for pkg, ranks, mode in systems]
+    for (pkg, ranks, mode), sysname in zip(systems, names):
         mod = importlib.import_module(pkg)
         llm = mod.LLM(max_model_len=256, max_num_seqs=args.rows, max_num_batched_tokens=256, max_loras=4,
                       max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False,
-                      decode_row_buckets=(args.rows,), **({} if ranks is None else {"lora_slot_ranks": ranks}))
+                      decode_row_buckets=(args.rows,), **MODES[mode],
+                      **({} if ranks is None else {"lora_slot_ranks": ranks}))
         eng = llm.engine
         paths = paths or write_adapters(root, eng.adapters.model_cfg)
         slots = [eng.adapters.acquire(eng.adapters.prepare(mod.LoRARequest(p.name, i + 1, str(p))))
@@ -77,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             fn()
             times[pkg, name].append(time.perf_counter() - t)
-    out = {"lora_impl": args.lora_impl, "rows": args.rows, "reps": args.reps}
+    out = {"lora_impl": args.lora_impl, "rows": args.rows, "reps": args.reps, "modes": modes}
     for pkg in names:
         med = {name: statistics.median(times[pkg, name]) * 1e3 for name in ("mixed", "base")}
         out[pkg] = {"step_ms": med, "lora_ms": med["mixed"] - med["base"], "base_over_mixed": med["base"] / med["mixed"]}
