@@ -96,7 +96,11 @@ def test_tiny_int8_bf16_and_ranked_slots_shard_too(tiny_result, layout):
     base, got = tiny_result[f"{layout}_tp1"], tiny_result[f"{layout}_tp2"]
     assert got["tokens"] == base["tokens"]
     assert got["compiles_after_warmup"] == 0
-    tol = 1e-4 if layout != "bfloat16" else 2e-2  # bf16 storage: different partial sums round differently
+    # bf16 storage: different partial sums round differently. int8 (W8A8): the row-parallel
+    # all-reduce adds f32 partial sums in another order, and an ulp of difference in a layer's
+    # input can flip one activation's rounding to the int8 grid (a step of 1/127 of the row max),
+    # measured up to 3e-3 in a logprob; float32 has no such amplifier and keeps 1e-4.
+    tol = {"bfloat16": 2e-2, "int8": 1e-2}.get(layout, LOGPROB_TOL)
     assert max_logprob_diff(got["logprobs"], base["logprobs"]) <= tol
     shards = got["shards"]
     assert shards["0:w.layers.qkv_proj"]["fraction"] == pytest.approx(0.5)
