@@ -23,7 +23,12 @@ from jlora.kernels.attention import paged_attention, paged_attention_reference
 H, KVH, DH = 4, 2, 16
 
 
+def heads(cache):  # [L, NB, bs, KVH*DH] -> [L, NB, bs, KVH, DH]: the cache's minor axis is the heads side by side
+    return np.asarray(cache).reshape(cache.shape[:3] + (KVH, DH))
+
+
 def numpy_attention(q, positions, tables, k, v, block_size):  # one query at a time, float64
+    k, v = heads(k), heads(v)
     b, nq = positions.shape
     out = np.zeros((b, nq, H, DH), np.float64)
     for i in range(b):
@@ -49,8 +54,8 @@ def make_case(block_size: int, nq: int, max_len: int = 640, layers: int = 1, see
     mb = max_len // block_size
     b = 3
     nb = b * mb + 5
-    k = rng.standard_normal((layers, nb, block_size, KVH, DH)).astype(np.float32)
-    v = rng.standard_normal((layers, nb, block_size, KVH, DH)).astype(np.float32)
+    k = rng.standard_normal((layers, nb, block_size, KVH * DH)).astype(np.float32)
+    v = rng.standard_normal((layers, nb, block_size, KVH * DH)).astype(np.float32)
     tables = rng.permutation(nb)[: b * mb].reshape(b, mb).astype(np.int32)
     ends = np.array([max_len - 1, 300, 37])  # the last query position of each sequence
     positions = np.stack([np.arange(e - nq + 1, e + 1) for e in ends]).astype(np.int32)
@@ -101,7 +106,7 @@ def test_sliding_window_matches_reference_and_a_numpy_loop(window):
                 continue
             idx = np.arange(max(0, pos - window + 1), pos + 1)
             blocks = tables[i, idx // 16]
-            keys, vals = k[0, blocks, idx % 16], v[0, blocks, idx % 16]
+            keys, vals = heads(k)[0, blocks, idx % 16], heads(v)[0, blocks, idx % 16]
             for h in range(H):
                 s_ = keys[:, h // (H // KVH)] @ q[i, j, h] / np.sqrt(DH)
                 p_ = np.exp(s_ - s_.max())
@@ -137,9 +142,9 @@ def _bad(case, **change):
 @pytest.mark.parametrize("change,message", [
     (lambda c: dict(q=c[0][0]), r"q must be \[B, Q, H, Dh\], got shape \(2, 4, 16\)"),
     (lambda c: dict(q=c[0].astype(np.int32)), "q must be float32, bfloat16 or float16, got int32"),
-    (lambda c: dict(q=c[0][..., :8]), "has Dh=16 but q .* has Dh=8"),
+    (lambda c: dict(q=c[0][..., :12]), r"KVH\*Dh=32, not a multiple of q .*'s Dh=12"),
     (lambda c: dict(q=c[0][:, :, :3]), "H=3 heads, not a multiple of cache_k's KVH=2"),
-    (lambda c: dict(cache_k=c[1][0]), r"cache_k must be \[L, NB, bs, KVH, Dh\], got shape"),
+    (lambda c: dict(cache_k=c[1][0]), r"cache_k must be \[L, NB, bs, KVH\*Dh\], got shape"),
     (lambda c: dict(cache_k=c[1].astype(np.int32), cache_v=c[2].astype(np.int32)), "cache_k must be float32, "),
     (lambda c: dict(cache_v=c[2][:, :-1]), "cache_v float32.* must match cache_k"),
     (lambda c: dict(positions=c[3][:, :1]), r"positions must be int32\[B, Q\] = \[3, 2\]"),

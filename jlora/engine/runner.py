@@ -113,7 +113,7 @@ class ModelRunner:
         return self.tp.put(w, weight_spec(name, w.shape, w.dtype == jnp.int8, self.tp.size))
 
     def _zero_cache(self) -> dict[str, jax.Array]:
-        """A zeroed KV cache [L, NB, bs, KVH, Dh], sharded over its KV heads."""
+        """A zeroed KV cache [L, NB, bs, KVH*Dh], sharded over its KV heads."""
         return init_cache(self.layout_cfg, self.config.num_kv_blocks, self.config.block_size,
                           quant.storage_dtype(self.kv_dtype), zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
 

@@ -1,7 +1,12 @@
 """Paged attention over a block-table KV cache, beside its plain reference.
 
-The cache holds every layer's keys and values in fixed-size blocks, `k, v: [L, NB, bs, KVH, Dh]`;
-sequence b's position p lives in block `block_tables[b, p // bs]` at offset `p % bs`. Queries
+The cache holds every layer's keys and values in fixed-size blocks, `k, v: [L, NB, bs, KVH*Dh]`
+(each position's heads side by side on the minor axis); sequence b's position p lives in block
+`block_tables[b, p // bs]` at offset `p % bs`. The minor axis is KVH*Dh rather than Dh so that on
+a TPU one position is one contiguous row of lanes: XLA:TPU tiles the two minor axes (8 or 16 x 128),
+so [bs, KVH, Dh] with Dh = 64 either pads Dh to 128 or makes XLA re-layout the whole cache every
+step (the four whole-cache copies a v5e profile showed); [bs, KVH*Dh] needs neither, a new token
+is one row to write, and a page is one DMA (`jlora.kernels.paged_attention_tpu`). Queries
 come as B sequences of Q tokens (`positions[b, q]`, -1 = padding), so one call serves decode
 (Q = 1) and a chunk of prefill (Q > 1, causal inside the chunk). Heads are grouped: query head h
 reads key head h // (H // KVH).
@@ -37,10 +42,10 @@ CACHE_DTYPES = FLOAT_DTYPES + (jnp.dtype(jnp.uint16),)  # uint16 = bf16 bits
 def validate_attention_args(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
                             positions: jax.Array, block_tables: jax.Array, chunk: int | None = None,
                             window: jax.Array | None = None) -> None:
-    """Raise ValueError unless q [B, Q, H, Dh], cache_k/cache_v [L, NB, bs, KVH, Dh], layer int scalar,
+    """Raise ValueError unless q [B, Q, H, Dh], cache_k/cache_v [L, NB, bs, KVH*Dh], layer int scalar,
     positions int[B, Q], block_tables int[B, MB] (and `chunk` a positive multiple of bs) fit together."""
-    for name, arr, want in (("q", q, "[B, Q, H, Dh]"), ("cache_k", cache_k, "[L, NB, bs, KVH, Dh]"),
-                            ("cache_v", cache_v, "[L, NB, bs, KVH, Dh]"), ("positions", positions, "[B, Q]"),
+    for name, arr, want in (("q", q, "[B, Q, H, Dh]"), ("cache_k", cache_k, "[L, NB, bs, KVH*Dh]"),
+                            ("cache_v", cache_v, "[L, NB, bs, KVH*Dh]"), ("positions", positions, "[B, Q]"),
                             ("block_tables", block_tables, "[B, MB]"), ("layer", layer, "[]")):
         if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
             raise ValueError(f"{name} must be an array {want}, got {type(arr).__name__}")
@@ -58,9 +63,10 @@ def validate_attention_args(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array
         raise ValueError(f"cache_v {cache_v.dtype}{tuple(cache_v.shape)} must match cache_k "
                          f"{cache_k.dtype}{tuple(cache_k.shape)}")
     bsz, nq, h, dh = q.shape
-    kvh = cache_k.shape[3]
-    if cache_k.shape[4] != dh:
-        raise ValueError(f"cache_k [L, NB, bs, KVH, Dh] has Dh={cache_k.shape[4]} but q [B, Q, H, Dh] has Dh={dh}")
+    if cache_k.shape[3] % dh:
+        raise ValueError(f"cache_k [L, NB, bs, KVH*Dh] has KVH*Dh={cache_k.shape[3]}, not a multiple of "
+                         f"q [B, Q, H, Dh]'s Dh={dh}")
+    kvh = cache_k.shape[3] // dh
     if h % kvh:
         raise ValueError(f"q has H={h} heads, not a multiple of cache_k's KVH={kvh} key heads")
     if positions.shape != (bsz, nq):
@@ -99,8 +105,8 @@ def _heads_out(out: jax.Array) -> jax.Array:  # f32[B, KVH, G, Q, Dh] -> f32[B, 
 @partial(jax.jit, static_argnames=("chunk",))
 def paged_attention(
     q: jax.Array,  # [B, Q, H, Dh]
-    cache_k: jax.Array,  # [L, NB, bs, KVH, Dh]
-    cache_v: jax.Array,  # [L, NB, bs, KVH, Dh]
+    cache_k: jax.Array,  # [L, NB, bs, KVH*Dh]
+    cache_v: jax.Array,  # [L, NB, bs, KVH*Dh]
     layer: jax.Array,  # i32 scalar: which layer of the cache
     positions: jax.Array,  # i32[B, Q], -1 = padding
     block_tables: jax.Array,  # i32[B, MB]: the blocks holding each sequence's positions, in order
@@ -116,7 +122,7 @@ def paged_attention(
     """
     validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window)
     bsz, nq, h, dh = q.shape
-    bs, kvh = cache_k.shape[2], cache_k.shape[3]
+    bs, kvh = cache_k.shape[2], cache_k.shape[3] // dh
     per_chunk = chunk // bs
     qg = _grouped_queries(q, kvh)
     n_chunks = (jnp.max(positions) + chunk) // chunk  # 0 when every query is padding
@@ -155,8 +161,8 @@ def paged_attention(
 @jax.jit
 def paged_attention_reference(
     q: jax.Array,  # [B, Q, H, Dh]
-    cache_k: jax.Array,  # [L, NB, bs, KVH, Dh]
-    cache_v: jax.Array,  # [L, NB, bs, KVH, Dh]
+    cache_k: jax.Array,  # [L, NB, bs, KVH*Dh]
+    cache_v: jax.Array,  # [L, NB, bs, KVH*Dh]
     layer: jax.Array,  # i32 scalar
     positions: jax.Array,  # i32[B, Q], -1 = padding
     block_tables: jax.Array,  # i32[B, MB]
@@ -165,7 +171,7 @@ def paged_attention_reference(
     """`paged_attention` the obvious way: gather all MB blocks of each sequence, mask, softmax."""
     validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, window=window)
     bsz, nq, h, dh = q.shape
-    bs, kvh = cache_k.shape[2], cache_k.shape[3]
+    bs, kvh = cache_k.shape[2], cache_k.shape[3] // dh
     span = block_tables.shape[1] * bs
     keys = _widen(cache_k[layer][block_tables]).reshape(bsz, span, kvh, dh)  # [B, S, KVH, Dh]
     values = _widen(cache_v[layer][block_tables]).reshape(bsz, span, kvh, dh)

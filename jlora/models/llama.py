@@ -10,7 +10,7 @@ sub-modules, each sub-module's A side by side (one shrink matmul) and each sub-m
 own output columns; a sub-module an adapter does not target is zeros. The PEFT scale is folded
 into B. Each token reads its own slot via `slot_ids`; -1 reads none.
 
-The KV cache is paged: `k, v: [L, num_blocks, block_size, KVH, Dh]`. Tokens arrive packed
+The KV cache is paged: `k, v: [L, num_blocks, block_size, KVH*Dh]` (jlora.kernels.attention). Tokens arrive packed
 ([T]); attention sees them as groups (`AttnGroup`): B sequences with Q query tokens each, their
 positions and block tables. The engine's step is two groups, the running sequences' decode
 tokens ([R, 1]) and one prefill chunk ([1, Q]); a direct model call is one group [B, T].
@@ -37,7 +37,7 @@ from jlora.models.config import LORA_MODULES, PACKED_MODULES, LlamaConfig  # LOR
 from jlora.models.tensor_parallel import split_packed
 FUSED_MODULES = tuple(PACKED_MODULES)  # ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"): the GEMMs
 TRAINABLE_IMPLS = ("gather", "laned", "pallas")  # lora_delta implementations with a gradient
-KVCache = dict  # {"k": [L, num_blocks, block_size, KVH, Dh], "v": same}
+KVCache = dict  # {"k": [L, num_blocks, block_size, KVH*Dh], "v": same}
 LoRAState = dict  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}
 
 
@@ -185,7 +185,7 @@ class Llama(nnx.Module):
         tokens: jax.Array,  # i32[T], groups packed in order
         slot_ids: jax.Array,  # i32[T], -1 = base model (and padding)
         groups: tuple[AttnGroup, ...],  # their B*Q add up to T
-        cache: KVCache,  # {"k", "v": [L, NB, bs, KVH, Dh]}
+        cache: KVCache,  # {"k", "v": [L, NB, bs, KVH*Dh]}
         lora_state: LoRAState | None = None,  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}
         *,
         lora_impl: str = "auto",
@@ -206,8 +206,9 @@ class Llama(nnx.Module):
 
         def attend(q, k, v, i, win, kv):
             ck, cv = kv
-            ck = ck.at[i, block, offset].set(quant.narrow(k, ck), mode="drop")
-            cv = cv.at[i, block, offset].set(quant.narrow(v, cv), mode="drop")
+            t = k.shape[0]  # one row of KVH*Dh per token: a row scatter, no per-head pieces
+            ck = ck.at[i, block, offset].set(quant.narrow(k.reshape(t, -1), ck), mode="drop")
+            cv = cv.at[i, block, offset].set(quant.narrow(v.reshape(t, -1), cv), mode="drop")
             outs, start = [], 0
             for g in groups:
                 b, nq = g.positions.shape
@@ -324,7 +325,7 @@ class Llama(nnx.Module):
         self,
         tokens: jax.Array,  # i32[B, T]
         positions: jax.Array,  # i32[B, T], -1 = padding
-        cache: KVCache,  # {"k","v": [L, NB, bs, KVH, Dh]}
+        cache: KVCache,  # {"k","v": [L, NB, bs, KVH*Dh]}
         lora_state: LoRAState | None = None,  # module -> {"A": [L, N, in, R], "B": [L, N, R, out]}
         seq_slot_ids: jax.Array | None = None,  # i32[B], -1 = base model
         logits_index: jax.Array | None = None,  # i32[B]: which token of each row to produce logits for
@@ -355,9 +356,9 @@ def host_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 def init_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32,
                zeros: Any = jnp.zeros) -> KVCache:
-    """Zeroed KV cache {"k", "v": [L, NB, bs, KVH, Dh]}; `init_cache(cfg, batch, max_len)` is one
+    """Zeroed KV cache {"k", "v": [L, NB, bs, KVH*Dh]}; `init_cache(cfg, batch, max_len)` is one
     region (block) per sequence, what a direct model call without block tables reads."""
-    shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads * cfg.head_dim)
     return {"k": zeros(shape, dtype), "v": zeros(shape, dtype)}
 
 

@@ -15,7 +15,7 @@ Sharding (P = PartitionSpec over the mesh axis "tp"; stacked weights carry a lea
   * row-parallel o_proj, down_proj: input rows sharded, so their outputs are partial sums that
     XLA all-reduces once per layer;
   * embedding and lm head: over the vocabulary (over the hidden size if k does not divide it);
-  * KV cache [L, NB, bs, KVH, Dh]: over the KV heads;
+  * KV cache [L, NB, bs, KVH*Dh]: over the KV heads (whole heads: KVH*Dh splits at head boundaries);
   * LoRA slots follow their base layer (vLLM's layout): column-parallel A replicated, B sharded on
     its output; row-parallel A sharded on its input, B whole, so the delta joins the base partial
     sum before the one reduction;
@@ -151,7 +151,7 @@ def lora_spec(module: str, kind: str, tp: int, slot_axis: bool = True) -> P:
     return P()
 
 
-CACHE_SPEC = P(None, None, None, AXIS, None)  # [L, NB, bs, KVH, Dh]: over the KV heads
+CACHE_SPEC = P(None, None, None, AXIS)  # [L, NB, bs, KVH*Dh]: over the KV heads
 
 
 # ---- the mesh ----------------------------------------------------------------------------------------
