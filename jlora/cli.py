@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from jlora.bench import BENCHMARKS, run as run_benchmark
-from jlora.engine_args import DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS
+from jlora.engine_args import ATTN_IMPLS, DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS
 
 
 class CLIError(ValueError):
@@ -51,6 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=d["max_loras"], help="adapter slots on the device")
     p.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"], help="largest adapter rank served")
     p.add_argument("--lora-impl", default=d["lora_impl"], choices=list(LORA_IMPLS), help="LoRA kernel")
+    p.add_argument("--attn-impl", default=d["attn_impl"], choices=list(ATTN_IMPLS),
+                   help="paged attention: the Pallas TPU kernel (auto on one TPU device) or the XLA loop")
     p.add_argument("--lora-slot-ranks", default=None,
                    help="comma-separated rank of each adapter slot (slots of several sizes; the largest is "
                         "--max-lora-rank); default: every slot --max-lora-rank")
@@ -94,6 +96,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
                   max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
+                  attn_impl=getattr(args, "attn_impl", "auto"),
                   token_buckets=_buckets(args.token_buckets, "--token-buckets"),
                   lora_slot_ranks=_buckets(getattr(args, "lora_slot_ranks", None), "--lora-slot-ranks"))
     engine_config(**{k: v for k, v in kwargs.items() if k != "quantization"})  # ValueError naming the field

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence as Seq
 
-from jlora.engine.config import EngineConfig
+from jlora.engine.config import ATTN_IMPLS, EngineConfig  # noqa: F401 (ATTN_IMPLS: the CLI's choices)
 
 ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 DTYPES = ("float32", "bfloat16", "float16")

@@ -85,6 +85,7 @@ class LLM:
         lora_impl: str = ENGINE_DEFAULTS["lora_impl"],
         token_buckets: Seq[int] | None = None,
         attn_chunk: int = ENGINE_DEFAULTS["attn_chunk"],
+        attn_impl: str = ENGINE_DEFAULTS["attn_impl"],
         block_size: int = ENGINE_DEFAULTS["block_size"],
         decode_row_buckets: Seq[int] | None = None,
         scheduling_policy: str = ENGINE_DEFAULTS["scheduling_policy"],
@@ -116,7 +117,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, token_buckets=token_buckets,
             lora_slot_ranks=lora_slot_ranks,
-            attn_chunk=attn_chunk, block_size=block_size, scheduling_policy=scheduling_policy,
+            attn_chunk=attn_chunk, attn_impl=attn_impl, block_size=block_size, scheduling_policy=scheduling_policy,
             decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
             max_overtakes=max_overtakes, max_n=max_n, max_waiting_seqs=max_waiting_seqs,
             num_kv_blocks=num_kv_blocks)

@@ -20,6 +20,9 @@ def geometric_buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
 
 
 SCHEDULING_POLICIES = ("adapter_aware", "fcfs")
+# Paged attention: "xla" (kernels/attention.py, every backend), "pallas" (kernels/paged_attention_tpu.py,
+# a TPU kernel; interpreted elsewhere, for tests), "auto" = pallas on a single TPU device, else xla.
+ATTN_IMPLS = ("auto", "xla", "pallas")
 
 
 def default_max_cpu_loras(max_loras: int) -> int:
@@ -51,6 +54,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # KV capacity; None = max_num_seqs full-length sequences
     token_buckets: tuple[int, ...] | None = None  # prefill chunk lengths; None = 32, 128, ... (x4) up to the chunk
     attn_chunk: int = 128  # key positions attention reads per loop iteration
+    attn_impl: str = "auto"  # ATTN_IMPLS
     # Decode rows of a decode-only step; None = 1, 4, 16, ... (x4) up to max_num_seqs. Measured
     # (SmolLM2, 2 cores): 36 ms with 1 row, 48 ms with 4, 85 ms with 16, so light loads get small
     # steps for one graph per bucket. A step with a prefill part has max_num_seqs rows.
@@ -69,6 +73,8 @@ class EngineConfig:
                      "max_lora_rank", "max_cpu_loras", "block_size", "attn_chunk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"EngineConfig.attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"EngineConfig.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")

@@ -74,6 +74,20 @@ def _prompt_logprobs(model: Llama, hidden: jax.Array, targets: jax.Array) -> dic
     return {"prompt_token_logprob": tok, "prompt_top_ids": ids, "prompt_top_logprobs": top}
 
 
+def resolve_attn_impl(impl: str, tp_size: int, kv_dtype: Any) -> str:
+    """`EngineConfig.attn_impl` for this runner: "auto" is the Pallas kernel on one TPU device (a
+    Pallas call is not partitioned across a mesh, and XLA:CPU keeps bf16 as uint16 bits, which the
+    kernel does not read), else the XLA loop."""
+    real_floats = quant.storage_dtype(kv_dtype) != jnp.uint16
+    if impl == "pallas" and (tp_size > 1 or not real_floats):
+        raise ValueError(f"attn_impl='pallas' needs one device and a float KV cache on this backend (tensor "
+                         f"parallel size {tp_size}, KV stored as {jnp.dtype(quant.storage_dtype(kv_dtype)).name}); "
+                         f"use attn_impl='xla' or 'auto'")
+    if impl != "auto":
+        return impl
+    return "pallas" if jax.default_backend() == "tpu" and tp_size == 1 and real_floats else "xla"
+
+
 class ModelRunner:
     """`devices`: the engine's devices, a tensor-parallel mesh over them when there are several
     (jlora.models.tensor_parallel; default: the first device). Each device then holds its shard
@@ -99,7 +113,9 @@ class ModelRunner:
         shardings = None
         if self.tp.size > 1 or jax.process_count() > 1:  # outputs replicated; the cache keeps its sharding
             shardings = dict(out_shardings=(self.tp.replicated, {k: x.sharding for k, x in self.cache.items()}))
-        self._step = jax.jit(self._step_impl, static_argnames=("lora_impl", "attn_chunk"), donate_argnames=("cache",),
+        self.attn_impl = resolve_attn_impl(config.attn_impl, self.tp.size, self.kv_dtype)
+        self._step = jax.jit(self._step_impl, static_argnames=("lora_impl", "attn_chunk", "attn_impl"),
+                             donate_argnames=("cache",),
                              **(shardings or {}))
         self._executables: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> compiled step
 
@@ -117,13 +133,13 @@ class ModelRunner:
         return init_cache(self.layout_cfg, self.config.num_kv_blocks, self.config.block_size,
                           quant.storage_dtype(self.kv_dtype), zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
 
-    def _step_impl(self, weights, lora_state, cache, batch, *, lora_impl, attn_chunk):
+    def _step_impl(self, weights, lora_state, cache, batch, *, lora_impl, attn_chunk, attn_impl):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         groups = [AttnGroup(batch["dec_positions"][:, None], batch["dec_tables"])]
         if batch["pre_positions"].shape[0]:
             groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"]))
         hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
-                                      lora_impl=lora_impl, attn_chunk=attn_chunk)
+                                      lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl)
         logits = model.logits(hidden[batch["sample_index"]])
         out = sample(logits, batch["sampling"])
         if batch["pre_positions"].shape[0]:
@@ -221,7 +237,8 @@ class ModelRunner:
             return
         lowered = {shape: self._step.lower(self._weights, self.lora.state, self.cache,
                                            self.tp.put(self.empty_batch(shape)),
-                                           lora_impl=self.config.lora_impl, attn_chunk=self.config.attn_chunk)
+                                           lora_impl=self.config.lora_impl, attn_chunk=self.config.attn_chunk,
+                                           attn_impl=self.attn_impl)
                    for shape in shapes}
 
         def build(shape: tuple[int, int, int]) -> None:

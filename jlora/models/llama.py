@@ -14,7 +14,8 @@ The KV cache is paged: `k, v: [L, num_blocks, block_size, KVH*Dh]` (jlora.kernel
 ([T]); attention sees them as groups (`AttnGroup`): B sequences with Q query tokens each, their
 positions and block tables. The engine's step is two groups, the running sequences' decode
 tokens ([R, 1]) and one prefill chunk ([1, Q]); a direct model call is one group [B, T].
-Attention (`jlora.kernels.attention.paged_attention`) walks the keys in chunks of `attn_chunk`
+Attention (`jlora.kernels.attention.paged_attention`, or on a TPU the Pallas kernel
+`jlora.kernels.paged_attention_tpu`: `attn_impl`) walks the keys in chunks of `attn_chunk`
 positions up to the furthest query position (a loop with a data-dependent trip count, online
 softmax), so no graph is keyed by span.
 """
@@ -32,6 +33,7 @@ from flax import nnx
 
 from jlora.kernels import lora_delta
 from jlora.kernels.attention import causal_attention, paged_attention
+from jlora.kernels.paged_attention_tpu import paged_attention_tpu
 from jlora.models import quant
 from jlora.models.config import LORA_MODULES, PACKED_MODULES, LlamaConfig  # LORA_MODULES: PEFT names
 from jlora.models.tensor_parallel import split_packed
@@ -190,8 +192,12 @@ class Llama(nnx.Module):
         *,
         lora_impl: str = "auto",
         attn_chunk: int = 128,
+        attn_impl: str = "xla",  # "xla" or "pallas" (resolved by the caller; jlora.engine.config.ATTN_IMPLS)
     ) -> tuple[jax.Array, KVCache]:  # hidden states [T, D] before the final norm, new cache
         """The serving step's forward: keys and values go to the paged cache, attention reads it."""
+        if attn_impl not in ("xla", "pallas"):
+            raise ValueError(f"attn_impl must be 'xla' or 'pallas' here, got {attn_impl!r}")
+        attention = paged_attention if attn_impl == "xla" else paged_attention_tpu
         cfg = self.cfg
         h, dh = cfg.num_attention_heads, cfg.head_dim
         num_blocks, bs = cache["k"].shape[1:3]
@@ -213,7 +219,7 @@ class Llama(nnx.Module):
             for g in groups:
                 b, nq = g.positions.shape
                 qg = q[start: start + b * nq].reshape(b, nq, h, dh)
-                outs.append(paged_attention(qg, ck, cv, i, g.positions, g.block_tables, win,
+                outs.append(attention(qg, ck, cv, i, g.positions, g.block_tables, win,
                                             chunk=chunk).reshape(b * nq, h * dh))
                 start += b * nq
             return (jnp.concatenate(outs) if len(outs) > 1 else outs[0]), (ck, cv)

@@ -1,0 +1,203 @@
+"""Paged attention as a Pallas TPU (Mosaic) kernel; `attention.paged_attention` is its reference.
+
+Same contract as `jlora.kernels.attention.paged_attention`: q [B, Q, H, Dh], a cache
+`[L, NB, bs, KVH*Dh]` of every layer, the layer as a traced scalar, positions [B, Q] (-1 =
+padding) and block tables [B, MB]; causal, grouped-query, optional sliding window. Why a kernel:
+on a v5e chip the XLA loop gathered 128-position chunks through the block table and widened them
+to float32 (~11 ms of a 40 ms decode step), and XLA re-laid out the whole cache around it.
+
+How it reads the cache. The cache stays in HBM (`memory_space=ANY`, the whole [L, ...] array: a
+dynamic slice of one layer would copy it). Grid (sequence b, query block i); each program walks
+its key chunks (`chunk` positions = `chunk // bs` pages) from the first any of its queries can
+see to the last, copying each chunk's pages into VMEM with one DMA per page for K and one for V,
+double-buffered (chunk c+1 is in flight while c is computed). A page is [bs, KVH*Dh], one
+contiguous run of HBM, every KV head at once. Block tables and the chunk ranges are
+scalar-prefetched into SMEM.
+
+How it multiplies. The KV heads sit side by side on the lanes, so the kernel works per lane tile
+of LT lanes (`lane_tiles`): LT = Dh when Dh is a multiple of 128 (one head per tile), 128 when Dh
+divides 128 (two heads per tile at Dh = 64), else the whole KVH*Dh row (e.g. 3 x 64). Each query
+row carries its head's vector at that head's lanes of the tile and zeros elsewhere, so
+`q_tile @ k_tile^T` gives every row its own head's scores with no lane shuffles, and
+`p @ v_tile` gives each row its own head's values in its own lanes (the other lanes of the row
+are discarded outside). Every key and value element passes through the MXU once, as it must;
+the zeros cost MXU rows, not HBM bytes. Softmax is online across chunks, in float32.
+
+`paged_attention_tpu(..., interpret=True)` runs on the CPU (tests/test_attention_tpu.py holds it
+against the reference); `jax.export` lowers it for platforms=["tpu"] without the chip.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jlora.kernels.attention import validate_attention_args
+
+NO_WINDOW = 1 << 30  # a window past any position
+MAX_BLOCK_ROWS = 512  # query rows (queries x heads sharing a tile) per program
+
+
+def lane_tiles(kvh: int, dh: int) -> tuple[int, int]:
+    """(lane tile width LT, KV heads per tile) for a [.., KVH*Dh] cache row."""
+    if dh % 128 == 0:
+        return dh, 1
+    if 128 % dh == 0 and (kvh * dh) % 128 == 0:
+        return 128, 128 // dh
+    return kvh * dh, kvh
+
+
+def query_block(nq: int, rows_per_query: int, sublanes: int) -> int:
+    """Queries per program: the largest divisor of Q whose rows fit MAX_BLOCK_ROWS and tile the
+    sublanes (or all Q, which any block shape allows)."""
+    for d in range(nq, 0, -1):
+        if nq % d == 0 and d * rows_per_query <= MAX_BLOCK_ROWS and (d == nq or d * rows_per_query % sublanes == 0):
+            return d
+    return nq
+
+
+def _kernel(meta_ref, tables_ref, lo_ref, hi_ref,  # SMEM: (layer, window), [B*MB], [B*NQB], [B*NQB]
+            qpos_ref, q_ref, k_hbm, v_hbm,  # [rows, 1] i32, [NT, rows, LT], cache [L, NB, bs, KD] x2 in HBM
+            o_ref,  # f32[NT, rows, LT]
+            kbuf, vbuf, sems, m_ref, l_ref, acc_ref,  # VMEM [2, P, bs, KD] x2, DMA sems [2, 2], [NT, rows, 1] x2, [NT, rows, LT]
+            *, pages: int, blocks_per_seq: int, n_qblocks: int, lane_tile: int, n_tiles: int):
+    b, i = pl.program_id(0), pl.program_id(1)
+    prog = b * n_qblocks + i
+    lo, hi = lo_ref[prog], hi_ref[prog]
+    layer, window = meta_ref[0], meta_ref[1]
+    bs = kbuf.shape[2]
+    chunk = pages * bs
+
+    def copies(c, slot):  # the DMAs of key chunk c into buffer `slot`
+        out = []
+        for p in range(pages):
+            page = tables_ref[b * blocks_per_seq + jnp.minimum(c * pages + p, blocks_per_seq - 1)]
+            out.append(pltpu.make_async_copy(k_hbm.at[layer, page], kbuf.at[slot, p], sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm.at[layer, page], vbuf.at[slot, p], sems.at[1, slot]))
+        return out
+
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(lo < hi)
+    def _first():
+        for cp in copies(lo, 0):
+            cp.start()
+
+    def body(c, carry):
+        slot = (c - lo) % 2
+
+        @pl.when(c + 1 < hi)
+        def _next():
+            for cp in copies(c + 1, 1 - slot):
+                cp.start()
+
+        for cp in copies(c, slot):
+            cp.wait()
+        qpos = qpos_ref[...]  # [rows, 1]
+        key = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+        visible = (key <= qpos) & (key > qpos - window)  # [rows, C]
+        for t in range(n_tiles):
+            lanes = slice(t * lane_tile, (t + 1) * lane_tile)
+            k = kbuf[slot, :, :, lanes].reshape(chunk, lane_tile)
+            v = vbuf[slot, :, :, lanes].reshape(chunk, lane_tile)
+            s = jax.lax.dot_general(q_ref[t], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s = jnp.where(visible, s, -jnp.inf)
+            m_prev = m_ref[t]
+            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp(s - m_safe)
+            alpha = jnp.exp(m_prev - m_safe)
+            l_ref[t] = alpha * l_ref[t] + p.sum(axis=1, keepdims=True)
+            acc_ref[t] = alpha * acc_ref[t] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            m_ref[t] = m_new
+        return carry
+
+    jax.lax.fori_loop(lo, hi, body, 0)
+    l = l_ref[...]
+    o_ref[...] = acc_ref[...] / jnp.where(l > 0, l, 1.0)
+
+
+@partial(jax.jit, static_argnames=("chunk", "interpret"))
+def paged_attention_tpu(
+    q: jax.Array,  # [B, Q, H, Dh]
+    cache_k: jax.Array,  # [L, NB, bs, KVH*Dh], float32 / bfloat16 / float16
+    cache_v: jax.Array,  # [L, NB, bs, KVH*Dh]
+    layer: jax.Array,  # i32 scalar
+    positions: jax.Array,  # i32[B, Q], -1 = padding
+    block_tables: jax.Array,  # i32[B, MB]
+    window: jax.Array | None = None,  # i32 scalar sliding window; None = full causal
+    *,
+    chunk: int,  # key positions per DMA'd chunk, a multiple of bs
+    interpret: bool | None = None,  # None: interpret unless running on a TPU
+) -> jax.Array:  # f32[B, Q, H, Dh], zeros for a padded query
+    validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window)
+    if cache_k.dtype == jnp.uint16:
+        raise ValueError("paged_attention_tpu reads real float caches; uint16 (bf16 bits) is XLA:CPU's storage, "
+                         "use attention.paged_attention there")
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    bsz, nq, h, dh = q.shape
+    _, _, bs, kd = cache_k.shape
+    kvh, mb = kd // dh, block_tables.shape[1]
+    g = h // kvh
+    lt, hpt = lane_tiles(kvh, dh)
+    nt = kd // lt
+    rq = hpt * g  # rows per query in a tile: its heads in the tile x the query heads of each
+    cdt = cache_k.dtype
+    qb = query_block(nq, rq, 16 if jnp.dtype(cdt).itemsize == 2 else 8)
+    nqb, rows = nq // qb, qb * rq
+
+    # Each row: its query head's vector at its KV head's lanes of the tile, zeros elsewhere.
+    q6 = (q.astype(jnp.float32) / math.sqrt(dh)).reshape(bsz, nq, nt, hpt, g, dh)
+    qt = jnp.einsum("bqthgd,hk->btqhgkd", q6, jnp.eye(hpt, dtype=jnp.float32))
+    qt = qt.reshape(bsz, nt, nq * rq, lt).astype(cdt)
+    qpos = jnp.broadcast_to(positions.astype(jnp.int32)[:, :, None], (bsz, nq, rq)).reshape(bsz, nq * rq, 1)
+
+    # The key chunks each program visits: up to its furthest query, from the first its window shows.
+    blocks = positions.astype(jnp.int32).reshape(bsz, nqb, qb)
+    hi = (jnp.max(blocks, axis=2) + chunk) // chunk  # 0 when all padding
+    win = NO_WINDOW if window is None else jnp.asarray(window, jnp.int32)
+    lo = jnp.zeros_like(hi)
+    if window is not None:
+        lowest = jnp.min(jnp.where(blocks >= 0, blocks, jnp.iinfo(jnp.int32).max), axis=2)
+        lo = jnp.minimum(jnp.maximum(lowest - win + 1, 0) // chunk, hi)
+    meta = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(win, jnp.int32)])
+
+    pages = chunk // bs
+    kernel = partial(_kernel, pages=pages, blocks_per_seq=mb, n_qblocks=nqb, lane_tile=lt, n_tiles=nt)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((bsz, nt, nq * rq, lt), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(bsz, nqb),
+            in_specs=[
+                pl.BlockSpec((None, rows, 1), lambda b, i, *_: (b, i, 0)),
+                pl.BlockSpec((None, nt, rows, lt), lambda b, i, *_: (b, 0, i, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=pl.BlockSpec((None, nt, rows, lt), lambda b, i, *_: (b, 0, i, 0)),
+            scratch_shapes=[
+                pltpu.VMEM((2, pages, bs, kd), cdt), pltpu.VMEM((2, pages, bs, kd), cdt),
+                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((nt, rows, 1), jnp.float32), pltpu.VMEM((nt, rows, 1), jnp.float32),
+                pltpu.VMEM((nt, rows, lt), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="jlora_paged_attention",
+    )(meta, block_tables.astype(jnp.int32).reshape(-1), lo.reshape(-1), hi.reshape(-1), qpos, qt, cache_k, cache_v)
+
+    # Keep each row's own head's lanes: [B, NT, Q, hpt, G, hpt', Dh] on its diagonal.
+    out = out.reshape(bsz, nt, nq, hpt, g, hpt, dh)
+    out = jnp.einsum("btqhgkd,hk->bqthgd", out, jnp.eye(hpt, dtype=jnp.float32))
+    return out.reshape(bsz, nq, h, dh)

@@ -1,0 +1,134 @@
+"""The Pallas TPU paged-attention kernel against its reference, in interpret mode on the CPU.
+
+`paged_attention_tpu` runs here with interpret=True (the same kernel body, DMAs and semaphores
+emulated) and is lowered for platforms=["tpu"] with `jax.export`, as the LoRA kernels are; on a
+TPU chip `scripts/tpu_check.py` runs it compiled (jlora bench tpu's kernel section too). Shapes
+cover each lane-tile layout (`lane_tiles`): a whole KVH*Dh row per tile (Dh=16, SmolLM2's 3 x 64),
+two heads per 128-lane tile (Dh=64), one head per tile (Dh=128), grouped-query heads, prefill
+groups, padding, sliding windows, bfloat16 caches and a second layer of the cache.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlora.kernels.attention import paged_attention_reference
+from jlora.kernels.paged_attention_tpu import lane_tiles, paged_attention_tpu, query_block
+
+
+def make_case(h: int, kvh: int, dh: int, bs: int, nq: int, max_len: int = 384, layers: int = 2, seed: int = 0,
+              dtype=np.float32):
+    """Three sequences ending at max_len - 1, 200 and 37 (scattered blocks), with padding."""
+    rng = np.random.default_rng(seed)
+    mb, b = max_len // bs, 3
+    nb = b * mb + 3
+    k = rng.standard_normal((layers, nb, bs, kvh * dh)).astype(dtype)
+    v = rng.standard_normal((layers, nb, bs, kvh * dh)).astype(dtype)
+    tables = rng.permutation(nb)[: b * mb].reshape(b, mb).astype(np.int32)
+    ends = np.array([max_len - 1, 200, 37])
+    positions = np.stack([np.arange(e - nq + 1, e + 1) for e in ends]).astype(np.int32)
+    positions[2, : nq // 2] = -1  # padding inside a row
+    if nq > 1:
+        positions[1, :] = -1  # a fully padded sequence
+    q = rng.standard_normal((b, nq, h, dh)).astype(np.float32)
+    return q, k, v, positions, tables
+
+
+@pytest.mark.parametrize("h,kvh,dh,bs,chunk,nq", [
+    (4, 2, 16, 16, 32, 1),     # tile = the whole 32-lane row
+    (4, 2, 64, 16, 64, 1),     # two heads per 128-lane tile, decode
+    (8, 2, 64, 16, 128, 5),    # two heads per tile, G=4, a prefill group
+    (4, 2, 128, 8, 32, 3),     # one head per tile
+    (9, 3, 64, 16, 128, 2),    # SmolLM2's heads: 3 x 64 = 192 lanes, one tile
+])
+def test_kernel_matches_reference(h, kvh, dh, bs, chunk, nq):
+    q, k, v, positions, tables = make_case(h, kvh, dh, bs, nq, seed=h * 100 + dh + nq)
+    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, interpret=True)
+    want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert not np.asarray(got)[positions < 0].any()  # padded queries read nothing
+    assert np.abs(np.asarray(got)[positions >= 0]).sum(-1).min() > 0
+
+
+@pytest.mark.parametrize("window", [1, 40, 150])
+def test_sliding_window(window):
+    q, k, v, positions, tables = make_case(8, 2, 64, 16, 3, seed=window)
+    w = jnp.int32(window)
+    got = paged_attention_tpu(q, k, v, jnp.int32(0), positions, tables, w, chunk=64, interpret=True)
+    want = paged_attention_reference(q, k, v, jnp.int32(0), positions, tables, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    full = paged_attention_reference(q, k, v, jnp.int32(0), positions, tables)
+    assert np.abs(np.asarray(want) - np.asarray(full)).max() > 1e-3  # the window matters here
+
+
+def test_bfloat16_cache():
+    q, k, v, positions, tables = make_case(8, 2, 64, 16, 2, seed=7)
+    kb, vb = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    got = paged_attention_tpu(q, kb, vb, jnp.int32(0), positions, tables, chunk=64, interpret=True)
+    want = paged_attention_reference(q, kb, vb, jnp.int32(0), positions, tables)
+    # q and the probabilities enter the MXU in bf16 (as on the chip): bf16-sized differences.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-2, rtol=3e-2)
+
+
+def test_uint16_bits_cache_is_refused():
+    q, k, v, positions, tables = make_case(4, 2, 16, 16, 1)
+    bits = [jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.bfloat16), jnp.uint16) for x in (k, v)]
+    with pytest.raises(ValueError, match="uint16 .* XLA:CPU's storage"):
+        paged_attention_tpu(q, *bits, jnp.int32(0), positions, tables, chunk=32, interpret=True)
+
+
+def test_bad_arguments_are_named():
+    q, k, v, positions, tables = make_case(4, 2, 16, 16, 1)
+    with pytest.raises(ValueError, match="chunk must be a positive multiple of the block size 16"):
+        paged_attention_tpu(q, k, v, jnp.int32(0), positions, tables, chunk=24, interpret=True)
+    with pytest.raises(ValueError, match=r"positions must be int32\[B, Q\] = \[3, 1\]"):
+        paged_attention_tpu(q, k, v, jnp.int32(0), np.zeros((3, 2), np.int32), tables, chunk=32, interpret=True)
+
+
+def test_layouts():
+    assert lane_tiles(8, 64) == (128, 2) and lane_tiles(8, 128) == (128, 1) and lane_tiles(3, 64) == (192, 3)
+    assert lane_tiles(2, 16) == (32, 2) and lane_tiles(8, 256) == (256, 1)
+    assert query_block(1, 8, 16) == 1 and query_block(512, 8, 16) == 64 and query_block(512, 9, 16) == 32
+    assert query_block(7, 8, 16) == 7
+
+
+@pytest.mark.parametrize("shape", [(64, 1, 32, 8, 64, 16, 128), (1, 512, 32, 8, 64, 16, 128),
+                                   (16, 1, 9, 3, 64, 16, 128), (4, 128, 32, 8, 128, 16, 256)])
+def test_lowers_for_tpu(shape):
+    """Mosaic lowering for the chip, without it (B, Q, H, KVH, Dh, bs, chunk; bf16 caches)."""
+    b, nq, h, kvh, dh, bs, chunk = shape
+    spec = jax.ShapeDtypeStruct
+    fn = jax.jit(partial(paged_attention_tpu, chunk=chunk, interpret=False))
+    exp = jax.export.export(fn, platforms=["tpu"])(
+        spec((b, nq, h, dh), jnp.bfloat16), spec((16, 2048, bs, kvh * dh), jnp.bfloat16),
+        spec((16, 2048, bs, kvh * dh), jnp.bfloat16), spec((), jnp.int32), spec((b, nq), jnp.int32),
+        spec((b, 128), jnp.int32), spec((), jnp.int32))
+    assert "tpu_custom_call" in exp.mlir_module()
+
+
+def test_engine_with_the_kernel_equals_the_xla_loop(tiny_dir, tiny_adapters):
+    """The whole serving step with attn_impl="pallas" (interpreted here) against attn_impl="xla":
+    the same greedy tokens for mixed adapters, prefill chunks and decode. Refusals named."""
+    from jlora import LLM, LoRARequest, SamplingParams
+
+    engine = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(32,),
+                  max_loras=2, max_lora_rank=8, progress=False)
+    prompts = [{"prompt_token_ids": list(range(5 + 17 * i, 45 + 23 * i))} for i in range(3)]
+    loras = [None, LoRARequest("a0", 1, str(tiny_adapters[0])), LoRARequest("a1", 2, str(tiny_adapters[1]))]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        llm = LLM(str(tiny_dir[0]), attn_impl=impl, **engine)
+        assert llm.engine.runner.attn_impl == impl
+        outs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+        del llm
+    assert outs["pallas"] == outs["xla"] and all(len(t) == 5 for t in outs["xla"])
+    with pytest.raises(ValueError, match="attn_impl must be one of"):
+        LLM(str(tiny_dir[0]), attn_impl="flash", **engine)
+    with pytest.raises(ValueError, match="attn_impl='pallas' needs one device and a float KV cache"):
+        LLM(str(tiny_dir[0]), attn_impl="pallas", dtype="bfloat16", **engine)
