@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from jlora.kernels.attention import paged_attention_reference
+from jlora.engine.runner import whole_cache_copies
 from jlora.kernels.paged_attention_tpu import lane_tiles, paged_attention_tpu, query_block
 
 
@@ -126,9 +127,29 @@ def test_engine_with_the_kernel_equals_the_xla_loop(tiny_dir, tiny_adapters):
         llm = LLM(str(tiny_dir[0]), attn_impl=impl, **engine)
         assert llm.engine.runner.attn_impl == impl
         outs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+        runner = llm.engine.runner
+        assert len(runner._executables) == llm.config.num_step_graphs
+        for exe in runner._executables.values():  # XLA:CPU's layouts: no re-laid-out cache either
+            assert whole_cache_copies(exe.as_text(), runner.cache["k"].shape) == []
         del llm
     assert outs["pallas"] == outs["xla"] and all(len(t) == 5 for t in outs["xla"])
     with pytest.raises(ValueError, match="attn_impl must be one of"):
         LLM(str(tiny_dir[0]), attn_impl="flash", **engine)
     with pytest.raises(ValueError, match="attn_impl='pallas' needs one device and a float KV cache"):
         LLM(str(tiny_dir[0]), attn_impl="pallas", dtype="bfloat16", **engine)
+
+
+def test_whole_cache_copy_detector():
+    """What a v5e profile of the old [L, NB, bs, KVH, Dh] step showed (XLA:TPU's HLO text) is found;
+    a copy of one layer, a dynamic-update-slice of the cache and other shapes are not."""
+    shape = (16, 4416, 16, 512)
+    hlo = "\n".join([
+        "  %copy.12 = bf16[16,4416,16,512]{1,3,2,0:T(8,128)(2,1)} copy(bf16[16,4416,16,512]{3,2,1,0} %p.3)",
+        "  %copy_fusion.1 = bf16[16,4416,16,512]{3,2,1,0:T(8,128)(2,1)} fusion(%a), kind=kLoop, calls=%c",
+        "  %transpose.2 = f32[16,4416,16,512]{3,2,1,0} transpose(f32[16,4416,512,16]{3,2,1,0} %x), dimensions={0,1,3,2}",
+        "  %copy.13 = bf16[4416,16,512]{2,1,0} copy(bf16[4416,16,512]{2,1,0} %layer)",
+        "  %dus = bf16[16,4416,16,512]{3,2,1,0} dynamic-update-slice(%cache, %row, %i, %j, %k, %l)",
+        "  %copy.14 = bf16[16,4416,16,256]{3,2,1,0} copy(%other)",
+    ])
+    found = whole_cache_copies(hlo, shape)
+    assert [f.split(" = ")[0] for f in found] == ["%copy.12", "%copy_fusion.1", "%transpose.2"]

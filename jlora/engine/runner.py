@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -72,6 +73,21 @@ def _prompt_logprobs(model: Llama, hidden: jax.Array, targets: jax.Array) -> dic
 
     tok, ids, top = jax.lax.cond(jnp.any(targets >= 0), compute, skip)
     return {"prompt_token_logprob": tok, "prompt_top_ids": ids, "prompt_top_logprobs": top}
+
+
+def whole_cache_copies(hlo_text: str, cache_shape: tuple[int, ...]) -> list[str]:
+    """Instructions of a compiled step's HLO that produce a whole-cache-sized array by a copy, a
+    transpose or a fusion named for one: XLA changing the cache's layout, which costs a full read
+    and write of the cache each time (on a TPU v5e, 25 of a 40 ms decode step before the cache
+    became [L, NB, bs, KVH*Dh]). The serving step must have none."""
+    dims = ",".join(str(d) for d in cache_shape)
+    pattern = re.compile(rf"%?([\w.-]+) = \w+\[{dims}\](\{{[^}}]*\}})? ([\w-]+)\(")
+    out = []
+    for line in hlo_text.splitlines():
+        m = pattern.search(line)
+        if m and (m.group(3) in ("copy", "transpose") or "copy" in m.group(1) or "transpose" in m.group(1)):
+            out.append(line.strip()[:240])
+    return out
 
 
 def resolve_attn_impl(impl: str, tp_size: int, kv_dtype: Any) -> str:
