@@ -282,11 +282,15 @@ def run_workload(llm: Any, log: StepLog, name: str, n: int, prompt_len: int, new
     cfg = engine.runner.cfg
     flops = sum(2 * _matmul_params(cfg) * (r["prefill_tokens"] + r["rows"]) for r in pre)
     pre_s = sum(r["seconds"] for r in pre)
+    dec = [r for r in recs if not r["prefill"] and r["rows"]]
+    engine_ms = (wall - sum(r["seconds"] for r in pre)) / max(1, len(dec)) * 1e3  # host work included
     row = dict(workload=name, requests=n, prompt=prompt_len, new=new, adapters=len(loras), seconds=wall,
+               engine_decode_ms=engine_ms,
                tok_s=generated / wall, generated=generated, ttft_p50=float(np.median(ttft)), ttft_max=float(ttft[-1]),
                prefill_steps=len(pre), prefill_s=pre_s, prefill_mxu_fraction=flops / pre_s / MXU_FLOPS if pre_s else 0.0,
                **log.decode_summary(recs))
     print(f"  {name}: {row['tok_s']:.0f} tok/s, decode {row.get('decode_ms_median', 0):.2f} ms/step "
+          f"(engine {engine_ms:.2f}) "
           f"({row.get('decode_hbm_fraction_median', 0):.0%} of HBM roofline "
           f"{row.get('decode_roofline_ms_median', 0):.2f} ms), prefill {row['prefill_mxu_fraction']:.0%} of MXU, "
           f"TTFT p50 {row['ttft_p50']:.2f} s", flush=True)
@@ -296,9 +300,14 @@ def run_workload(llm: Any, log: StepLog, name: str, n: int, prompt_len: int, new
 def whole_cache_copies(llm: Any) -> dict[str, Any]:
     """Every compiled step graph's copies, transposes and copy fusions of a whole K or V cache
     (XLA re-laying out the cache: what a v5e profile found four of per step). Must be empty."""
-    from jlora.engine.runner import whole_cache_copies as find
-
     runner = llm.engine.runner
+    try:
+        from jlora.engine.runner import whole_cache_copies as find
+    except ImportError:  # an older jlora: count copies of the cache's shape the plain way
+        def find(text: str, shape: tuple[int, ...]) -> list[str]:
+            import re
+            op = re.compile(r"= \w+\[" + ",".join(map(str, shape)) + r"\](\{[^}]*\})? (copy|transpose)\(")
+            return [ln.strip()[:240] for ln in text.splitlines() if op.search(ln)]
     found = {str(shape): find(exe.as_text(), runner.cache["k"].shape) for shape, exe in runner._executables.items()}
     return dict(cache_shape=list(runner.cache["k"].shape), whole_cache_copies=[c for v in found.values() for c in v],
                 step_graphs_checked=len(found))
@@ -334,11 +343,12 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     from jlora import LLM, LoRARequest, compile_stats
 
     def start(attn_impl: str) -> Any:
+        extra = {} if attn_impl == "auto" else dict(attn_impl=attn_impl)  # an older jlora has no attn_impl
         return LLM(str(ckpt), dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, token_buckets=args.token_buckets,
                    decode_row_buckets=args.decode_row_buckets, max_loras=4, max_lora_rank=args.rank,
-                   lora_impl=args.lora_impl, attn_impl=attn_impl, attn_chunk=args.attn_chunk,
-                   block_size=args.block_size, progress=False)
+                   lora_impl=args.lora_impl, attn_chunk=args.attn_chunk, block_size=args.block_size,
+                   progress=False, **extra)
 
     t0 = time.perf_counter()
     try:
@@ -354,11 +364,12 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     weight_bytes = sum(int(w.nbytes) for w in runner._weights)
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * runner.cache["k"].dtype.itemsize
     slot_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(runner.lora.state)) // llm.config.max_loras
-    eng = dict(shape=args.shape, start_s=start_s, attn_impl=runner.attn_impl, lora_impl=args.lora_impl,
+    eng = dict(shape=args.shape, start_s=start_s, attn_impl=getattr(runner, "attn_impl", "xla (before)"),
+               lora_impl=args.lora_impl,
                graphs=llm.config.num_step_graphs, weight_bytes=weight_bytes, config=str(llm.config),
                devices=str(jax.devices()), jax=jax.__version__)
     eng.update(whole_cache_copies(llm))
-    print(f"engine: started in {start_s:.1f} s, attn {runner.attn_impl}, {eng['graphs']} step graphs, "
+    print(f"engine: started in {start_s:.1f} s, attn {eng['attn_impl']}, {eng['graphs']} step graphs, "
           f"whole-cache copies in the decode step: {len(eng['whole_cache_copies'])}", flush=True)
     results["engine"] = eng
     _save(out, results)
@@ -423,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attn-impl", default="auto")
     p.add_argument("--attn-chunk", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kernel-variants", default="", type=lambda s: [tuple(int(x) for x in v.split("x")) for v in s.split(",") if v],
+                   help="extra (block size)x(chunk) pairs for the kernel section, e.g. 16x256,32x256")
     args = p.parse_args(argv)
     if args.decode_row_buckets is None:
         args.decode_row_buckets = tuple(sorted({1, args.max_num_seqs}))
@@ -440,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = results.setdefault("kernel", [])
         for r, ctx, nq in ((64, 1024, 1), (64, 256, 1), (1, 1024, 1), (1, 1024, 256)):
             rows += bench_kernel(cfg, r, ctx, nq, block_size=args.block_size, chunk=args.attn_chunk)
+            _save(out, results)
+        for bs, chunk in args.kernel_variants:  # other page and chunk sizes, the Pallas kernel only
+            rows += bench_kernel(cfg, 64, 1024, 1, block_size=bs, chunk=chunk, impls=("pallas",))
+            rows += bench_kernel(cfg, 1, 1024, 256, block_size=bs, chunk=chunk, impls=("pallas",))
             _save(out, results)
     if "engine" in sections:
         bench_engine(ckpt, out, args, results)
