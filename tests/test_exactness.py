@@ -180,6 +180,71 @@ def test_randomized_workload_equals_reference(llm, ref, tiny_adapters, seed):
             check_sample(got, exp, j.abort_after is not None, llm.tokenizer)
 
 
+@pytest.fixture(scope="module")
+def llm_async(tiny_dir):
+    return LLM(str(tiny_dir[0]), progress=False, async_scheduling=True, **ENGINE)
+
+
+@pytest.mark.parametrize("seed", range(ROUNDS))
+def test_async_scheduling_equals_reference(llm_async, ref, tiny_adapters, seed):
+    """The same randomized workloads with the next step launched before this one's tokens are
+    read (async scheduling): the same outputs, streams and zero compiles, and steps really were
+    launched ahead (their decode tokens taken on the device)."""
+    rng = np.random.default_rng(seed)
+    eng = llm_async.engine
+    launched, ahead = eng.runner.launch, []
+
+    def launch(batch, prev=None):
+        ahead.append(prev is not None and bool((batch["prev_rows"] >= 0).any()))
+        return launched(batch, prev=prev)
+
+    eng.runner.launch = launch
+    try:
+        jobs = make_workload(rng, ref, llm_async.tokenizer, tiny_adapters, n_jobs=28, limit=ENGINE["max_model_len"])
+        compiles = compile_stats.compile_count()
+        outputs, streams = drive(eng, jobs)
+    finally:
+        eng.runner.launch = launched
+    assert compile_stats.compile_count() == compiles, "the engine compiled after warm-up"
+    assert sum(ahead) >= 10, f"only {sum(ahead)} of {len(ahead)} steps were launched ahead"
+    assert eng.kv.num_free == eng.config.num_kv_blocks and not eng.has_unfinished() and eng._inflight is None
+    for j in jobs:
+        out = outputs[j.rid]
+        assert len(out.outputs) == j.params.n
+        for got, exp, streamed in zip(out.outputs, j.expected, streams[j.rid]):
+            assert streamed == got.text, f"{j.rid}: the stream does not join to the final text"
+            check_sample(got, exp, j.abort_after is not None, llm_async.tokenizer)
+
+
+def test_async_scheduling_survives_a_failed_step(llm_async, ref, tiny_adapters):
+    """A step launched ahead of one that raises: the KV cache is rebuilt, every request is
+    recomputed and ends equal to the reference; one failed step is counted."""
+    eng = llm_async.engine
+    collect, failed = eng.runner.collect, []
+
+    def flaky(handle):
+        if len(failed) == 0 and eng._inflight is None and eng.running and all(
+                len(s.output_ids) >= 3 for s in eng.running):
+            failed.append(handle)
+            raise RuntimeError("injected device failure")
+        return collect(handle)
+
+    eng.runner.collect = flaky
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        loras = [None, LoRARequest("f0", 300, str(tiny_adapters[0]))]
+        prompts = [list(range(10 + i, 30 + 2 * i)) for i in range(4)]
+        before = eng.num_failed_steps
+        outs = llm_async.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                  lora_request=[loras[i % 2] for i in range(4)])
+    finally:
+        eng.runner.collect = collect
+    assert failed and eng.num_failed_steps == before + 1
+    for p, out, i in zip(prompts, outs, range(4)):
+        exp = ref.generate(p, params, 0, loras[i % 2] and loras[i % 2].lora_path)[0]
+        assert out.outputs[0].token_ids == exp.token_ids
+
+
 # ---- the four bugs the review found ---------------------------------------------------------------------
 
 

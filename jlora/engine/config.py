@@ -53,8 +53,13 @@ class EngineConfig:
     block_size: int = 16  # KV cache positions per block
     num_kv_blocks: int | None = None  # KV capacity; None = max_num_seqs full-length sequences
     token_buckets: tuple[int, ...] | None = None  # prefill chunk lengths; None = 32, 128, ... (x4) up to the chunk
-    attn_chunk: int = 128  # key positions attention reads per loop iteration
+    # Key positions attention reads per loop iteration; None = 128 for the XLA loop, 512 for the
+    # Pallas kernel (a v5e chip, 64 rows at 1K context: 552 us at 128, 356 us at 512; docs/tpu.md).
+    attn_chunk: int | None = None
     attn_impl: str = "auto"  # ATTN_IMPLS
+    # Plan and launch step n+1 before step n's tokens reach the host (vLLM's --async-scheduling);
+    # None = on for a TPU backend, off elsewhere. Outputs do not change (LLMEngine.step).
+    async_scheduling: bool | None = None
     # Decode rows of a decode-only step; None = 1, 4, 16, ... (x4) up to max_num_seqs. Measured
     # (SmolLM2, 2 cores): 36 ms with 1 row, 48 ms with 4, 85 ms with 16, so light loads get small
     # steps for one graph per bucket. A step with a prefill part has max_num_seqs rows.
@@ -70,9 +75,14 @@ class EngineConfig:
         if self.max_cpu_loras is None and isinstance(self.max_loras, int):
             object.__setattr__(self, "max_cpu_loras", default_max_cpu_loras(self.max_loras))
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_loras",
-                     "max_lora_rank", "max_cpu_loras", "block_size", "attn_chunk"):
+                     "max_lora_rank", "max_cpu_loras", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.attn_chunk is not None and (not isinstance(self.attn_chunk, int) or isinstance(self.attn_chunk, bool)
+                                            or self.attn_chunk < 1):
+            raise ValueError(f"EngineConfig.attn_chunk must be None or a positive int, got {self.attn_chunk!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"EngineConfig.async_scheduling must be None, True or False, got {self.async_scheduling!r}")
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"EngineConfig.attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

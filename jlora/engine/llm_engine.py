@@ -76,6 +76,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_failed_steps = 0
         self._ids = itertools.count()
+        # Async scheduling (see `step`): on by default on a TPU, where the host's work between steps
+        # was as long as the device's decode step.
+        self._async = config.async_scheduling if config.async_scheduling is not None else \
+            jax.default_backend() == "tpu"
+        self._inflight: tuple[Any, Any, bool] | None = None  # (plan, launched step, committed) ahead
         # Under jax.distributed every process must draw the same seeds (they feed one global step).
         self._seed_rng = random.Random(0 if jax.process_count() > 1 else None)
 
@@ -224,36 +229,148 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling round, one device call. Returns the requests that changed (their state so
-        far; `finished` on the last), including any failed in this step."""
+        far; `finished` on the last), including any failed in this step.
+
+        With async scheduling (`EngineConfig.async_scheduling`, vLLM's name) the next step is
+        planned and launched before this one's tokens reach the host, when nothing in the plan
+        depends on their values (`_can_look_ahead`): the device then runs step n+1 while the host
+        reads and processes step n, and each decode row's token goes from one step to the next
+        on the device. Outputs are the same tokens; a sequence that stops (EOS, a stop string)
+        leaves at most one wasted row in the step already launched."""
         touched: dict[str, Request] = {}
-        while True:  # a sequence whose row cannot be built fails alone; the rest are planned again
+        if self._inflight is not None:
+            plan, handle, committed = self._inflight
+            self._inflight = None
+        else:
+            planned = self._plan(touched)
+            if planned is None:
+                return [req.to_output() for req in touched.values()]
+            plan, batch = planned
+            if not self._async:
+                try:
+                    out = self.runner.step(batch)
+                except Exception as e:
+                    self._step_failed(plan, e, touched)
+                    return [req.to_output() for req in touched.values()]
+                self._commit(plan)
+                self.output.record_prompt_logprobs(plan, out)
+                self._process(out, plan.sampled, touched)
+                return [req.to_output() for req in touched.values()]
+            try:
+                handle, committed = self.runner.launch(batch), False
+            except Exception as e:
+                self._step_failed(plan, e, touched)
+                return [req.to_output() for req in touched.values()]
+        ahead = None
+        if self._can_look_ahead(plan):
+            self._commit(plan)
+            committed = True
+            ahead = self._launch_ahead(plan, handle, touched)
+        try:
+            out = self.runner.collect(handle)
+        except Exception as e:
+            if ahead is not None:  # built on this step's cache: wait it out and recompute everyone
+                try:
+                    self.runner.collect(ahead[1])
+                except Exception:
+                    pass
+                self.runner.cache = self.runner._zero_cache()
+            self._step_failed(plan, e, touched, cache_lost=ahead is not None or committed)
+            return [req.to_output() for req in touched.values()]
+        if not committed:
+            self._commit(plan)
+        self.output.record_prompt_logprobs(plan, out)
+        self._process(out, plan.sampled, touched)
+        self._inflight = ahead
+        if self._inflight is not None and not self.scheduler.has_unfinished():
+            self._drain()  # everyone finished: the step launched ahead carries only finished rows
+        return [req.to_output() for req in touched.values()]
+
+    def _plan(self, touched: dict[str, Request]) -> tuple[Any, dict[str, Any]] | None:
+        """The next plan and its host arrays; a sequence whose row cannot be built fails alone and
+        the rest are planned again. None when nothing can run."""
+        while True:
             plan = self.scheduler.schedule(self._is_live)
             if plan is None:
-                return [req.to_output() for req in touched.values()]
+                return None
             self.runner.write_slots(plan.slot_writes)  # before anything of the plan can fail: the slots are assigned
             try:
-                batch = self.runner.build_batch(plan)
-                break
+                return plan, self.runner.build_batch(plan)
             except RowFailed as f:
                 log.warning("request %s failed on the host: %s", f.seq.request_id, f)
                 self._fail(f.seq.request_id, str(f), touched)
+
+    def _step_failed(self, plan: Any, e: Exception, touched: dict[str, Request], cache_lost: bool = False) -> None:
+        self.num_failed_steps += 1
+        log.error("engine step over requests %s failed: %s: %s", plan.request_ids, type(e).__name__, e)
+        lost = self.runner.reset_cache_if_lost() or cache_lost
+        culprit = self.scheduler.step_failed(plan, cache_lost=lost)
+        if culprit is not None:
+            self._fail(culprit, f"the engine step failed for this request: {type(e).__name__}: {e}", touched)
+
+    def _commit(self, plan: Any) -> None:
+        """The plan's step ran: the scheduler books it, less sequences that finished meanwhile (a
+        row launched ahead of its sequence's stop)."""
+        live = lambda s: s.state is not SeqState.FINISHED  # noqa: E731
+        self.scheduler.commit(dataclasses.replace(plan, decode=[s for s in plan.decode if live(s)],
+                                                  prefill=[c for c in plan.prefill if live(c[0])]))
+
+    def _can_look_ahead(self, plan: Any) -> bool:
+        """Whether the step after `plan` can be planned before `plan`'s tokens are known: a decode-only
+        plan whose every row continues by length, samples without the token history (penalties)
+        or a grammar, while no failed step is being retried, and whose next KV blocks are free
+        (planning must not preempt a sequence whose last token is still on the device)."""
+        if not self._async or plan.prefill or not plan.decode or self.scheduler.has_suspects():
+            return False
+        need = 0
+        for s in plan.decode:
+            p = s.params
+            if s.state is SeqState.FINISHED or s.matcher is not None or p.uses_penalties:
+                return False
+            max_new = p.max_tokens if p.max_tokens is not None else self.config.max_model_len
+            if len(s.output_ids) + 1 >= max_new or s.total_len + 1 >= self.config.max_model_len:
+                return False  # it stops by length with this token: plan the next step after it
+            need += self.config.blocks_for(s.total_len + 1) - len(s.blocks)
+        return need <= self.scheduler.kv.num_free
+
+    def _launch_ahead(self, plan: Any, handle: Any, touched: dict[str, Request]) -> tuple[Any, Any, bool] | None:
+        """Plan and launch the step after `plan` while it runs: each of its sequences holds a
+        placeholder for the token on the device, which the new step's row reads there."""
+        placeholder = -1
+        rows = {id(s): i for i, s in enumerate(plan.decode)}
+        for s in plan.decode:
+            s.output_ids.append(placeholder)
         try:
-            out = self.runner.step(batch)
+            planned = self._plan(touched)
+        finally:
+            for s in plan.decode:
+                s.output_ids.pop()
+        if planned is None:
+            return None
+        nplan, batch = planned
+        for row, s in enumerate(nplan.decode):
+            batch["prev_rows"][row] = rows.get(id(s), -1)
+        try:
+            return nplan, self.runner.launch(batch, prev=handle), False
         except Exception as e:
-            self.num_failed_steps += 1
-            log.error("engine step over requests %s failed: %s: %s", plan.request_ids, type(e).__name__, e)
-            culprit = self.scheduler.step_failed(plan, cache_lost=self.runner.reset_cache_if_lost())
-            if culprit is not None:
-                self._fail(culprit, f"the engine step failed for this request: {type(e).__name__}: {e}", touched)
-            return [req.to_output() for req in touched.values()]
-        self.scheduler.commit(plan)
-        self.output.record_prompt_logprobs(plan, out)
-        self._process(out, plan.sampled, touched)
-        return [req.to_output() for req in touched.values()]
+            self._step_failed(nplan, e, touched)
+            return None
+
+    def _drain(self) -> None:
+        plan, handle, _ = self._inflight
+        self._inflight = None
+        try:
+            self.runner.collect(handle)
+        except Exception as e:  # nothing of it is used; a lost cache is rebuilt for whoever comes next
+            log.warning("a step launched ahead failed after its sequences finished: %s", e)
+            self.runner.reset_cache_if_lost()
 
     def _process(self, out: dict[str, Any], sampled: list[Sequence], touched: dict[str, Request]) -> None:
         now = time.time()
+        stale = {id(s) for s in sampled if s.state is SeqState.FINISHED}  # rows launched ahead of a stop
         for row, s in enumerate(sampled):
+            if id(s) in stale or s.request_id not in self.requests:
+                continue
             req = self.requests[s.request_id]
             touched[s.request_id] = req
             if s.state is SeqState.FINISHED:  # its request failed on an earlier row of this step

@@ -15,6 +15,7 @@ step plan carries them and `write_slots` applies them right before the step that
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,16 @@ from jlora.sampling import MAX_LOGPROBS, SamplingRow, empty_sampling_batch, fill
 if TYPE_CHECKING:
     from jlora.engine.scheduler import StepPlan
     from jlora.engine.sequence import Sequence
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A launched step: its shape and its device outputs (packed host-bound outputs; the sampled
+    tokens padded to max_num_seqs, which the next step may read on the device)."""
+
+    shape: tuple[int, int, int]
+    packed: jax.Array
+    tokens: jax.Array
 
 
 class RowFailed(Exception):
@@ -192,13 +203,16 @@ class ModelRunner:
                               slot_ranks=config.slot_ranks)
         shardings = None
         if self.tp.size > 1 or jax.process_count() > 1:  # outputs replicated; the cache keeps its sharding
-            shardings = dict(out_shardings=(self.tp.replicated, {k: x.sharding for k, x in self.cache.items()}))
+            shardings = dict(out_shardings=(self.tp.replicated, self.tp.replicated,
+                                            {k: x.sharding for k, x in self.cache.items()}))
         self.attn_impl = resolve_attn_impl(config.attn_impl, self.tp.size, self.kv_dtype)
+        self.attn_chunk = config.attn_chunk or (512 if self.attn_impl == "pallas" else 128)
         self._step = jax.jit(self._step_impl, static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl"),
                              donate_argnames=("cache",),
                              **(shardings or {}))
         self._executables: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> compiled step
         self._out_layouts: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> how its packed outputs unpack
+        self._resident: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}  # rows -> `_defaults`
 
     def _place(self, path: tuple[Any, ...], w: Any) -> jax.Array:
         """One weight on the mesh: in the shard-major column order and sharded by its name
@@ -214,8 +228,16 @@ class ModelRunner:
         return init_cache(self.layout_cfg, self.config.num_kv_blocks, self.config.block_size,
                           quant.storage_dtype(self.kv_dtype), zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
 
-    def _step_impl(self, weights, lora_state, cache, ints, floats, *, layout, lora_impl, attn_chunk, attn_impl):
+    def _step_impl(self, weights, lora_state, cache, ints, floats, history, allowed, prev_tokens, *, layout, lora_impl,
+                   attn_chunk, attn_impl):
         batch = unpack_batch(ints, floats, layout)
+        batch["sampling"]["history"], batch["sampling"]["allowed"] = history, allowed
+        # Async scheduling: a decode row whose token the previous step sampled (still on the device)
+        # takes it from there (prev_rows[row] = its row in that step; -1 = the host's token).
+        r = batch["dec_positions"].shape[0]
+        prev = batch["prev_rows"]
+        fed = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch["tokens"][:r])
+        batch["tokens"] = batch["tokens"].at[:r].set(fed)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         groups = [AttnGroup(batch["dec_positions"][:, None], batch["dec_tables"])]
         if batch["pre_positions"].shape[0]:
@@ -229,7 +251,8 @@ class ModelRunner:
         packed, out_layout = pack_outputs(out)
         shape = batch["dec_positions"].shape + batch["pre_positions"].shape
         self._out_layouts[shape] = out_layout  # at trace time: how the host unpacks this graph's outputs
-        return packed, cache
+        tokens = jnp.zeros((self.config.max_num_seqs,), jnp.int32).at[: out["tokens"].shape[0]].set(out["tokens"])
+        return packed, tokens, cache
 
     @property
     def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}; a tuple of them per pool
@@ -248,6 +271,8 @@ class ModelRunner:
 
         shape (R, P, Q): R decode rows; the prefill part, P sequences of Q chunk tokens (0, 0: none).
         tokens / slot_ids [R + P*Q]: the R decode rows first, then the prefill rows;
+        prev_rows [R]: for async scheduling, the row of the previous step whose sampled token (still
+        on the device) is this decode row's token, -1 = `tokens` as given;
         dec_positions [R], dec_tables [R, MB]; pre_positions [P, Q], pre_tables [P, MB];
         sample_index [R]: the token each row samples from (its decode token, or the last prompt
         token of a prefill that completes in this step); prompt_targets [P*Q]: at a prefill token
@@ -257,6 +282,7 @@ class ModelRunner:
         return dict(
             tokens=np.zeros((r + p * q,), np.int32), slot_ids=np.full((r + p * q,), -1, np.int32),
             dec_positions=np.full((r,), -1, np.int32), dec_tables=np.zeros((r, c.blocks_per_seq), np.int32),
+            prev_rows=np.full((r,), -1, np.int32),
             pre_positions=np.full((p, q), -1, np.int32), pre_tables=np.zeros((p, c.blocks_per_seq), np.int32),
             sample_index=np.arange(r, dtype=np.int32),
             prompt_targets=np.full((p * q,), -1, np.int32),
@@ -299,17 +325,43 @@ class ModelRunner:
         return batch
 
     def step(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
-        """Runs one step; returns the sampled tokens i32[R] (and logprob arrays) on the host. The
-        batch crosses in two transfers (its int32 and float32 arrays, each packed into one) and the
-        outputs come back in one: on a TPU host each transfer costs ~0.1-0.2 ms of latency, and the
-        ~24 arrays of a step, sent one by one, cost more than the device's decode step."""
+        """Runs one step; returns the sampled tokens i32[R] (and logprob arrays) on the host."""
+        return self.collect(self.launch(batch))
+
+    def launch(self, batch: dict[str, Any], prev: StepHandle | None = None) -> StepHandle:
+        """Starts one step on the device and returns at once (JAX dispatches asynchronously).
+        `prev`: the step whose sampled tokens rows with `prev_rows` >= 0 take (async scheduling).
+
+        The batch crosses in two transfers (its int32 and float32 arrays, each packed into one; the
+        sampler's history and grammar mask only when some row uses them, else a resident default)
+        and the outputs come back in one (`collect`): on a TPU host each transfer costs latency,
+        and the ~24 arrays of a step, sent one by one, cost more than the device's decode step."""
         shape = batch["dec_positions"].shape + batch["pre_positions"].shape
-        ints, floats, layout = pack_batch(batch)
-        dev = self.tp.put((ints, floats))  # to every device of the mesh
+        sampling = dict(batch["sampling"])
+        history, allowed = sampling.pop("history"), sampling.pop("allowed")
+        ints, floats, layout = pack_batch({**batch, "sampling": sampling})
+        dev = list(self.tp.put((ints, floats)))
+        default_history, default_allowed, no_tokens = self._defaults(shape[0], history.shape[1], allowed.shape[1])
+        dev.append(default_history if history[:, 0].max() < 0 else self.tp.put(history))
+        dev.append(default_allowed if allowed.min() == -1 and allowed.max() == -1 else self.tp.put(allowed))
+        dev.append(no_tokens if prev is None else prev.tokens)
         if shape not in self._executables:  # lazy mode, or a shape warm-up did not cover
             self._compile([shape])
-        packed, self.cache = self._executables[shape](self._weights, self.lora.state, self.cache, *dev)
-        return unpack_outputs(fetch(packed), self._out_layouts[shape])
+        packed, tokens, self.cache = self._executables[shape](self._weights, self.lora.state, self.cache, *dev)
+        return StepHandle(shape, packed, tokens)
+
+    def collect(self, handle: StepHandle) -> dict[str, np.ndarray]:
+        """Waits for a launched step; its outputs on the host, in one transfer."""
+        return unpack_outputs(fetch(handle.packed), self._out_layouts[handle.shape])
+
+    def _defaults(self, rows: int, history_len: int, mask_words: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Device-resident "nothing" inputs: a history of -1 (no penalties), an all-allowed grammar
+        mask and zero previous tokens, made once per row count."""
+        if rows not in self._resident:
+            self._resident[rows] = self.tp.put((np.full((rows, history_len), -1, np.int32),
+                                                np.full((rows, mask_words), -1, np.int32),
+                                                np.zeros((self.config.max_num_seqs,), np.int32)))
+        return self._resident[rows]
 
     def reset_cache_if_lost(self) -> bool:
         """After a step raised: if the donated KV cache went with it, start a zeroed one (the engine
@@ -326,10 +378,14 @@ class ModelRunner:
             return
         lowered = {}
         for shape in shapes:
-            ints, floats, layout = pack_batch(self.empty_batch(shape))
+            batch = self.empty_batch(shape)
+            sampling = dict(batch["sampling"])
+            extra = self._defaults(shape[0], sampling.pop("history").shape[1], sampling.pop("allowed").shape[1])
+            ints, floats, layout = pack_batch({**batch, "sampling": sampling})
             lowered[shape] = self._step.lower(self._weights, self.lora.state, self.cache, *self.tp.put((ints, floats)),
+                                              *extra,
                                               layout=layout, lora_impl=self.config.lora_impl,
-                                              attn_chunk=self.config.attn_chunk, attn_impl=self.attn_impl)
+                                              attn_chunk=self.attn_chunk, attn_impl=self.attn_impl)
 
 
         def build(shape: tuple[int, int, int]) -> None:

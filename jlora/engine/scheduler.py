@@ -91,6 +91,10 @@ class Scheduler:
         if self._suspects and plan.request_ids == [self._suspects[0]]:
             self._suspects.popleft()
 
+    def has_suspects(self) -> bool:
+        """Whether a failed step's requests are being retried one at a time."""
+        return bool(self._suspects)
+
     def step_failed(self, plan: StepPlan, cache_lost: bool) -> str | None:
         """The plan's device step raised. With the KV cache gone, every running sequence is
         recomputed. Returns the request to fail: the plan's only request; with several, None (they
