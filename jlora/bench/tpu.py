@@ -383,6 +383,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * runner.cache["k"].dtype.itemsize
     slot_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(runner.lora.state)) // llm.config.max_loras
     eng = dict(shape=args.shape, start_s=start_s, attn_impl=getattr(runner, "attn_impl", "xla (before)"),
+               async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
                lora_impl=args.lora_impl,
                graphs=llm.config.num_step_graphs, weight_bytes=weight_bytes, config=str(llm.config),
                devices=str(jax.devices()), jax=jax.__version__)
@@ -407,6 +408,20 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
         _save(out, results)
     eng["compiles_after_warmup"] = compile_stats.compile_count() - compiles_before
     print(f"compiles after warm-up: {eng['compiles_after_warmup']}", flush=True)
+    if hasattr(llm.engine, "_async"):  # the same greedy requests with and without async scheduling
+        from jlora import SamplingParams as SP
+
+        rng = np.random.default_rng(7)
+        prompts = [{"prompt_token_ids": rng.integers(3, cfg.vocab_size, 100 + 13 * i).tolist()} for i in range(8)]
+        got = {}
+        for mode in (True, False):
+            llm.engine._async = mode
+            got[mode] = [o.outputs[0].token_ids for o in llm.generate(
+                prompts, SP(temperature=0.0, max_tokens=32, ignore_eos=True), lora_request=[loras[i % 4] for i in range(8)],
+                use_tqdm=False)]
+        llm.engine._async = eng["async_default"]
+        eng["async_equals_sync"] = got[True] == got[False]
+        print(f"async scheduling gives the same tokens as sync: {eng['async_equals_sync']}", flush=True)
 
     # A profile of decode-heavy steps: 64 rows at ~1K context.
     trace = tempfile.mkdtemp(prefix="jlora-trace-")
