@@ -129,8 +129,10 @@ def test_engine_with_the_kernel_equals_the_xla_loop(tiny_dir, tiny_adapters):
         outs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
         runner = llm.engine.runner
         assert len(runner._executables) == llm.config.num_step_graphs
-        for exe in runner._executables.values():  # XLA:CPU's layouts: no re-laid-out cache either
-            assert whole_cache_copies(exe.as_text(), runner.cache["k"].shape) == []
+        if impl == "xla":  # XLA:CPU's layouts: no re-laid-out cache either. (Interpreted Pallas copies its
+            # HBM operands by construction; the compiled kernel's step on a v5e had none: docs/tpu.md.)
+            for exe in runner._executables.values():
+                assert whole_cache_copies(exe.as_text(), runner.cache["k"].shape) == []
         del llm
     assert outs["pallas"] == outs["xla"] and all(len(t) == 5 for t in outs["xla"])
     with pytest.raises(ValueError, match="attn_impl must be one of"):
