@@ -53,6 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-impl", default=d["lora_impl"], choices=list(LORA_IMPLS), help="LoRA kernel")
     p.add_argument("--attn-impl", default=d["attn_impl"], choices=list(ATTN_IMPLS),
                    help="paged attention: the Pallas TPU kernel (auto on one TPU device) or the XLA loop")
+    p.add_argument("--async-scheduling", action="store_true", default=None,
+                   help="launch the next decode step before this one's tokens reach the host (default: on a TPU)")
     p.add_argument("--lora-slot-ranks", default=None,
                    help="comma-separated rank of each adapter slot (slots of several sizes; the largest is "
                         "--max-lora-rank); default: every slot --max-lora-rank")
@@ -97,6 +99,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
                   max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
                   attn_impl=getattr(args, "attn_impl", "auto"),
+                  async_scheduling=getattr(args, "async_scheduling", None),
                   token_buckets=_buckets(args.token_buckets, "--token-buckets"),
                   lora_slot_ranks=_buckets(getattr(args, "lora_slot_ranks", None), "--lora-slot-ranks"))
     engine_config(**{k: v for k, v in kwargs.items() if k != "quantization"})  # ValueError naming the field
