@@ -109,7 +109,8 @@ def write_safetensors(file: str | Path, tensors: dict[str, Any]) -> int:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, arr in tensors.items():
-            a = np.ascontiguousarray(arr.rows() if hasattr(arr, "rows") else arr)
+            a = np.asarray(arr.rows() if hasattr(arr, "rows") else arr)
+            a = a if a.flags.c_contiguous else a.copy(order="C")  # (ascontiguousarray makes a 0-d array 1-d)
             if list(a.shape) != header[name]["shape"] or names.get(a.dtype) != header[name]["dtype"]:
                 raise ValueError(f"write_safetensors: tensor {name!r} read as {a.dtype}{list(a.shape)}, "
                                  f"declared {header[name]['dtype']}{header[name]['shape']}")

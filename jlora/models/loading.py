@@ -211,7 +211,9 @@ def load_model(
     quantization = quant.check_quantization(quantization)
     path = resolve_model_path(model)
     if (path / "jlora_model.json").is_file():
-        return quant.quantize_model(restore_model(path, dtype), quantization), path, {}
+        llama, stats = timed_load(lambda: quant.quantize_model(restore_model(path, dtype), quantization), "orbax")
+        llama.load_stats = stats
+        return llama, path, {}
     if not path.is_file() and not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} holds neither a GGUF file, a config.json checkpoint nor a jlora checkpoint")
     source = "gguf" if path.is_file() else "checkpoint"

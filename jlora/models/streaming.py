@@ -136,7 +136,7 @@ class LoadStats:
     rss_before_bytes: int
     peak_rss_bytes: int
     peak_reset: bool
-    source: str  # "checkpoint", "gguf", "weights_cache", "memory"
+    source: str  # "checkpoint", "gguf", "weights_cache", "orbax"
 
     @property
     def peak_added_bytes(self) -> int:
@@ -229,7 +229,7 @@ def _contiguous(sel: np.ndarray) -> slice | np.ndarray:
 
 
 def _shard_fn(param: _Param, parts: list[tuple[str, int, int]], tensors: Mapping[str, Tensor],
-              reads: list[tuple[str, tuple[int, ...]]] | None) -> Callable[[tuple[slice, ...]], np.ndarray]:
+              reads: list[tuple[str, tuple[int, ...], tuple[int, ...]]] | None) -> Callable[[tuple[slice, ...]], np.ndarray]:
     """The callback that builds one device's slice of one layer (or non-layer parameter) in the HF
     orientation: the logical rows the slice holds, gathered from the sub-module tensors."""
     shape = param.piece_shape
@@ -240,7 +240,7 @@ def _shard_fn(param: _Param, parts: list[tuple[str, int, int]], tensors: Mapping
         rest = tuple(index[1:])
         out_shape = (len(rows),) + tuple(len(range(*s.indices(n))) for s, n in zip(rest, shape[1:]))
         if reads is not None:
-            reads.append((param.key, out_shape))
+            reads.append((param.key, shape, out_shape))
         if len(parts) == 1 and parts[0][1] == 0:  # one tensor: read its rows directly
             name = parts[0][0]
             x = tensors[name].rows(_contiguous(logical))
@@ -268,7 +268,7 @@ def stream_model(
     dtype: Any = jnp.float32,
     quantization: str | None = None,
     devices: Sequence[Any] | None = None,
-    reads: list[tuple[str, tuple[int, ...]]] | None = None,
+    reads: list[tuple[str, tuple[int, ...], tuple[int, ...]]] | None = None,
 ) -> Llama:
     """An NNX Llama holding `tensors` (HF names, [out, in] layout; arrays or `jlora.models.tensors`
     tensors, read only here, a layer at a time); every tensor checked by name and shape first.
@@ -279,7 +279,7 @@ def stream_model(
     out and sharded for a tensor-parallel mesh over them (`jlora.models.tensor_parallel`), each device
     receiving only its shard; the model's config stays the logical one and `placed_on` records the
     devices, so the runner of that mesh uses its arrays as they are (`ModelRunner`).
-    `reads` (for tests): each device slice built is appended as (parameter, slice shape).
+    `reads` (for tests): each device slice built is appended as (parameter, layer's shape, slice shape).
     """
     quantization = quant.check_quantization(quantization)
     src = prepare(tensors, cfg.tie_word_embeddings, None, quantization)

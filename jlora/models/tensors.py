@@ -26,7 +26,9 @@ from typing import Any, Mapping, Protocol
 import numpy as np
 
 Index = Any  # a slice or an int array over the first axis
-QUANT_CHUNK_ROWS = 512  # rows quantized per task: bounds the float32 temporaries, and spreads over threads
+# float32 bytes of the rows quantized per task: bounds each thread's temporaries (a few copies of
+# a chunk) whatever the row length, and spreads a tensor over the threads.
+QUANT_CHUNK_BYTES = 4 << 20
 
 
 class Tensor(Protocol):
@@ -44,13 +46,15 @@ def nbytes(t: Any) -> int:
 
 def release_pages(arr: np.ndarray) -> None:
     """madvise(DONTNEED) the pages of `arr` when it is a view of a read-only np.memmap; else nothing."""
-    root = arr
-    while root is not None and not isinstance(root, np.memmap):
-        root = getattr(root, "base", None)
-    mm = getattr(root, "_mmap", None)
-    if not isinstance(mm, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or root.mode != "r" or arr.nbytes == 0:
+    root = arr  # the array made over the mmap object itself (views and slices of a memmap are memmaps too)
+    while isinstance(root, np.ndarray) and not isinstance(root.base, mmap.mmap):
+        root = root.base
+    if not isinstance(root, np.memmap) or not hasattr(mmap, "MADV_DONTNEED") or root.mode != "r" or arr.nbytes == 0:
         return
-    start = arr.__array_interface__["data"][0] - root.__array_interface__["data"][0] + root.offset
+    mm = root.base
+    # The mapping starts at the file offset rounded down to the allocation granularity.
+    start = (arr.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+             + root.offset % mmap.ALLOCATIONGRANULARITY)
     page = mmap.PAGESIZE
     lo = max(0, (start // page) * page)
     hi = min(len(mm), -(-(start + arr.nbytes) // page) * page)
@@ -141,11 +145,12 @@ class _Quantizer:
         q = np.empty(x.shape, np.int8)
         s = np.empty(x.shape[:-1], np.float32)
 
-        def chunk(lo: int) -> None:  # quantize_np of a row block: scales are per row, so exact
-            q[lo:lo + QUANT_CHUNK_ROWS], s[lo:lo + QUANT_CHUNK_ROWS] = quantize_np(
-                np.asarray(x[lo:lo + QUANT_CHUNK_ROWS], np.float32), axis=-1)
+        step = max(1, QUANT_CHUNK_BYTES // (4 * max(1, x.shape[-1])))
 
-        starts = range(0, x.shape[0], QUANT_CHUNK_ROWS)
+        def chunk(lo: int) -> None:  # quantize_np of a row block: scales are per row, so exact
+            q[lo:lo + step], s[lo:lo + step] = quantize_np(np.asarray(x[lo:lo + step], np.float32), axis=-1)
+
+        starts = range(0, x.shape[0], step)
         if len(starts) > 1:
             list(_threads().map(chunk, starts))
         else:
