@@ -109,13 +109,24 @@ def host_rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """getrusage's maxrss in bytes (kilobytes on Linux, bytes on macOS)."""
+    """The process's peak resident set: Linux's VmHWM, else getrusage's maxrss.
+
+    On Linux getrusage's maxrss is max(VmHWM, the RSS of the process image before exec): a process
+    started from a big parent (a test runner) reports the parent's size, and clear_refs cannot
+    reset that part. VmHWM is this process's own high-water mark."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def reset_peak_rss() -> bool:
-    """Start a new peak (Linux: /proc/self/clear_refs 5 resets the high-water mark maxrss reads).
+    """Start a new peak (Linux: /proc/self/clear_refs 5 resets VmHWM to the RSS now).
     False where it cannot: the peak then also covers what came before."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -326,7 +337,7 @@ def stream_model(
         stacks = zeros()
         for i in range(cfg.num_hidden_layers):
             pieces = {p.key: array(p, i) for p in layered}
-            stacks = write_layer(stacks, pieces, jnp.int32(i))
+            stacks = write_layer(stacks, pieces, np.int32(i))  # a host scalar: fine under jax.distributed too
             jax.block_until_ready(stacks)  # one layer in flight: host memory stays at one layer
             del pieces
             release(i, layered)
