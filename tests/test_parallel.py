@@ -287,7 +287,7 @@ def test_parallel_flags_reach_llm_from_generate_and_serve(monkeypatch):
 # ---- the streaming loader onto the mesh (jlora.models.streaming) --------------------------------------
 
 SHARDED_PARAMS = ("layers.qkv_proj", "layers.o_proj", "layers.gate_up_proj", "layers.down_proj", "embed_tokens",
-                  "lm_head", "layers.qkv_proj_scale", "lm_head_scale")
+                  "lm_head", "layers.qkv_proj_scale", "layers.gate_up_proj_scale", "lm_head_scale")
 
 
 @pytest.mark.parametrize("run", ["tp2_None", "tp4_None", "tp2_int8", "tp4_int8"])

@@ -30,7 +30,7 @@ from jlora.models import quant
 from jlora.models.config import PACKED_MODULES, LlamaConfig
 from jlora.models.llama import LORA_MODULES, Llama, rope_inv_freq
 from jlora.models.tensor_parallel import TensorParallel, packed_columns, weight_spec
-from jlora.models.tensors import Cast, Tensor, as_tensor, nbytes, quantized
+from jlora.models.tensors import Cast, Tensor, as_tensor, nbytes, prefetch, quantized
 
 Entry = tuple  # (path: tuple, layer: int | None, transpose: bool, columns: (start, stop) | None)
 
@@ -292,6 +292,14 @@ def stream_model(
     devices, so the runner of that mesh uses its arrays as they are (`ModelRunner`).
     `reads` (for tests): each device slice built is appended as (parameter, layer's shape, slice shape).
     """
+    from jlora import compile_stats
+
+    with compile_stats.stage("load"):  # its few graphs (zeros, the layer write) get their own row
+        return _stream(cfg, tensors, dtype, quantization, devices, reads)
+
+
+def _stream(cfg: LlamaConfig, tensors: Mapping[str, Any], dtype: Any, quantization: str | None,
+            devices: Sequence[Any] | None, reads: list | None) -> Llama:
     quantization = quant.check_quantization(quantization)
     src = prepare(tensors, cfg.tie_word_embeddings, None, quantization)
     devices = list(devices) if devices else jax.devices()[:1]
@@ -336,6 +344,10 @@ def stream_model(
         write_layer = jax.jit(write, donate_argnums=(0,), out_shardings=stack_shardings)
         stacks = zeros()
         for i in range(cfg.num_hidden_layers):
+            if i + 1 < cfg.num_hidden_layers:  # the disk reads the next layer while this one is placed
+                for p in layered:
+                    for name, _, _ in p.parts[i + 1]:
+                        prefetch(src[name])
             pieces = {p.key: array(p, i) for p in layered}
             stacks = write_layer(stacks, pieces, np.int32(i))  # a host scalar: fine under jax.distributed too
             jax.block_until_ready(stacks)  # one layer in flight: host memory stays at one layer

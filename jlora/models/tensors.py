@@ -46,10 +46,26 @@ def nbytes(t: Any) -> int:
 
 def release_pages(arr: np.ndarray) -> None:
     """madvise(DONTNEED) the pages of `arr` when it is a view of a read-only np.memmap; else nothing."""
+    _advise(arr, "MADV_DONTNEED")
+
+
+def prefetch_pages(arr: np.ndarray) -> None:
+    """madvise(WILLNEED): the kernel starts reading `arr`'s pages in the background (the next layer's,
+    while this one is being placed)."""
+    _advise(arr, "MADV_WILLNEED")
+
+
+def prefetch(t: Any) -> None:
+    fn = getattr(t, "prefetch", None)
+    if fn is not None:
+        fn()
+
+
+def _advise(arr: np.ndarray, advice: str) -> None:
     root = arr  # the array made over the mmap object itself (views and slices of a memmap are memmaps too)
     while isinstance(root, np.ndarray) and not isinstance(root.base, mmap.mmap):
         root = root.base
-    if not isinstance(root, np.memmap) or not hasattr(mmap, "MADV_DONTNEED") or root.mode != "r" or arr.nbytes == 0:
+    if not isinstance(root, np.memmap) or not hasattr(mmap, advice) or root.mode != "r" or arr.nbytes == 0:
         return
     mm = root.base
     # The mapping starts at the file offset rounded down to the allocation granularity.
@@ -59,7 +75,7 @@ def release_pages(arr: np.ndarray) -> None:
     lo = max(0, (start // page) * page)
     hi = min(len(mm), -(-(start + arr.nbytes) // page) * page)
     try:
-        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        mm.madvise(getattr(mmap, advice), lo, hi - lo)
     except (OSError, ValueError):  # not fatal: the pages stay resident until the kernel wants them
         pass
 
@@ -76,6 +92,9 @@ class ArrayTensor:
 
     def release(self) -> None:
         release_pages(self.array)
+
+    def prefetch(self) -> None:
+        prefetch_pages(self.array)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return np.asarray(self.array, dtype)
@@ -109,6 +128,9 @@ class Cast:
 
     def release(self) -> None:
         self.src.release()
+
+    def prefetch(self) -> None:
+        prefetch(self.src)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return np.asarray(self.rows(), dtype)
@@ -181,6 +203,9 @@ class _QPart:
         else:
             self.quantizer.src.release()
 
+    def prefetch(self) -> None:
+        prefetch(self.quantizer.src)
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return np.asarray(self.rows(), dtype)
 
@@ -241,6 +266,9 @@ class GGUFTensor:
 
     def release(self) -> None:
         release_pages(self.raw)
+
+    def prefetch(self) -> None:
+        prefetch_pages(self.raw)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return np.asarray(self.rows(), dtype)
