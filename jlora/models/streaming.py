@@ -289,7 +289,9 @@ def stream_model(
     `devices`: the devices to place it on (default: the first device). Several: the arrays are laid
     out and sharded for a tensor-parallel mesh over them (`jlora.models.tensor_parallel`), each device
     receiving only its shard; the model's config stays the logical one and `placed_on` records the
-    devices, so the runner of that mesh uses its arrays as they are (`ModelRunner`).
+    devices, so the runner of that mesh uses its arrays as they are (`ModelRunner`). Such a model
+    (`layout_shards` = k) can also be called directly when k divides the KV heads; when KV heads are
+    repeated (k > KV heads) only through the engine, whose runner swaps in the repeated-heads config.
     `reads` (for tests): each device slice built is appended as (parameter, layer's shape, slice shape).
     """
     from jlora import compile_stats
