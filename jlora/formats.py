@@ -87,24 +87,37 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def write_safetensors(file: str | Path, tensors: dict[str, np.ndarray]) -> int:
-    """Tensors back to back after a JSON header padded to 8 bytes (the safetensors layout). Returns the file size."""
+def write_safetensors(file: str | Path, tensors: dict[str, Any]) -> int:
+    """Tensors back to back after a JSON header padded to 8 bytes (the safetensors layout). Returns the file size.
+
+    A value is an array, or a lazy tensor (`jlora.models.tensors`: `shape`, `dtype`, `rows()`,
+    `release()`), which is read, written and released one at a time: a file larger than memory can be written.
+    """
     names = {v: k for k, v in _st_dtypes().items()}
     header: dict[str, Any] = {}
     offset = 0
     for name, arr in tensors.items():
-        if arr.dtype not in names:
-            raise ValueError(f"write_safetensors: tensor {name!r} has dtype {arr.dtype}; expected one of {list(names)}")
-        header[name] = {"dtype": names[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
+        dtype, shape = np.dtype(arr.dtype), tuple(int(s) for s in arr.shape)
+        if dtype not in names:
+            raise ValueError(f"write_safetensors: tensor {name!r} has dtype {dtype}; expected one of {list(names)}")
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for arr in tensors.values():
-            f.write(np.ascontiguousarray(arr).tobytes())
+        for name, arr in tensors.items():
+            a = np.asarray(arr.rows() if hasattr(arr, "rows") else arr)
+            a = a if a.flags.c_contiguous else a.copy(order="C")  # (ascontiguousarray makes a 0-d array 1-d)
+            if list(a.shape) != header[name]["shape"] or names.get(a.dtype) != header[name]["dtype"]:
+                raise ValueError(f"write_safetensors: tensor {name!r} read as {a.dtype}{list(a.shape)}, "
+                                 f"declared {header[name]['dtype']}{header[name]['shape']}")
+            f.write(a.reshape(-1).view(np.uint8).data)
+            del a
+            if hasattr(arr, "release"):
+                arr.release()
     return 8 + len(raw) + offset
 
 

@@ -135,8 +135,10 @@ class LLM:
         if weights_cache and wc.cache_enabled():
             cache = wc.open_cache(weights_cache_dir(compilation_cache_dir) if weights_cache is True else weights_cache)
         t1 = time.perf_counter()
+        # One engine: stream the weights straight onto its devices, sharded (jlora.models.streaming).
         self.model, self.model_path, fields = load_model(path, _DTYPES[dtype], weights_cache=cache or False,
-                                                           quantization=self.quantization)
+                                                           quantization=self.quantization,
+                                                           devices=device_groups[0] if len(device_groups) == 1 else None)
         # True: read from the weights cache; False: converted (and cached); None: cache off or not needed.
         self.weights_cache_hit: bool | None = (
             None if cache is None else True if cache.stats["hits"] else False if cache.stats["misses"] else None)
@@ -298,7 +300,9 @@ class LLM:
 
         {"weights": {"bytes", "dtype", "quantization", "int8_bytes", "float_bytes"}, "kv_cache": {"bytes",
         "dtype", "tokens"}, "lora_slots": {"bytes", "dtype", "slots", "max_rank"}, "total": {"bytes"},
-        "per_device": {device: {"weights", "kv_cache", "lora_slots", "total"}}}. Bytes are what the
+        "per_device": {device: {"weights", "kv_cache", "lora_slots", "total"}}, "host_load": {"seconds",
+        "rss_before_bytes", "peak_rss_bytes", "peak_added_bytes", ...}}. `host_load` is the host memory the
+        weight load took (`jlora.models.streaming.LoadStats`; {} for a model restored from orbax). Bytes are what the
         devices hold: with tensor or data parallelism a sharded array counts its shards, a replicated
         one each copy (under jax.distributed, this process's devices only).
         bf16 kept as its uint16 bits on XLA:CPU (`jlora.models.quant`) is reported as bfloat16.
@@ -338,6 +342,8 @@ class LLM:
         }
         report["total"] = {"bytes": sum(int(v["bytes"]) for v in report.values())}
         report["per_device"] = per_device
+        stats = getattr(self.model, "load_stats", None)  # jlora.models.streaming.LoadStats
+        report["host_load"] = stats.to_dict() if stats is not None else {}
         if print_table:
             print(format_memory_report(report))
         return report
@@ -381,6 +387,10 @@ def format_memory_report(report: dict[str, dict[str, object]]) -> str:
                 else f"slots of ranks {lo['slot_ranks']}")),
             ("total", report["total"]["bytes"], "")]
     lines = [f"{n:<11} {b / 1e6:9.1f} MB  {d}" for n, b, d in rows]
+    load = report.get("host_load") or {}
+    if load:
+        lines.append(f"host load: peak RSS {load['peak_rss_bytes'] / 1e6:.1f} MB "
+                     f"(+{load['peak_added_bytes'] / 1e6:.1f} MB during the load), {load['seconds']:.1f} s")
     devices = report.get("per_device", {})
     if len(devices) > 1:
         lines += [f"  {dev}: weights {r['weights'] / 1e6:.1f} MB, kv_cache {r['kv_cache'] / 1e6:.1f} MB, "

@@ -69,6 +69,7 @@ def tiny(model_dir: str, adapters: list[str]) -> dict:
         run = generate(llm, adapters)
         run["shards"] = shard_fractions(llm)
         run["memory"] = llm.memory_report()
+        run["preplaced"] = [r._preplaced for r in llm.runners]  # streamed onto the mesh, used as loaded
         if dp > 1:  # a new request goes to the replica whose slot holds its adapter
             from jlora import LoRARequest, SamplingParams
 
@@ -90,6 +91,7 @@ def tiny(model_dir: str, adapters: list[str]) -> dict:
             run["shards"] = shard_fractions(llm)
             result[f"{name}_tp{tp}"] = run
             del llm
+    result["stream"] = stream(model_dir)
     for tp, dp in ((3, 1), (2, 3), (0, 1), (1, 0)):
         try:
             LLM(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, **SIZES)
@@ -97,6 +99,37 @@ def tiny(model_dir: str, adapters: list[str]) -> dict:
         except ValueError as e:
             result[f"error_tp{tp}_dp{dp}"] = str(e)
     return result
+
+
+def stream(model_dir: str) -> dict:
+    """The streaming loader onto 2 and 4 devices: the slice of each layer every device was sent, and
+    the bytes each device holds afterwards (no whole copy left on any of them)."""
+    import gc
+
+    from jlora.models.loading import open_hf_checkpoint
+    from jlora.models.streaming import stream_model
+
+    def held() -> dict[str, int]:  # bytes of live arrays per device
+        gc.collect()
+        out = {str(d): 0 for d in jax.devices()}
+        for x in jax.live_arrays():
+            for shard in x.addressable_shards:
+                out[str(shard.device)] += shard.data.nbytes
+        return out
+
+    out = {}
+    for tp in (2, 4):
+        for quantization in (None, "int8"):
+            reads: list = []
+            before = held()
+            cfg, tensors = open_hf_checkpoint(model_dir)
+            model = stream_model(cfg, tensors, quantization=quantization, devices=jax.devices()[:tp], reads=reads)
+            after = held()
+            out[f"tp{tp}_{quantization}"] = {"reads": reads, "held": {d: after[d] - before[d] for d in after},
+                                             "model_bytes": sum(int(x.nbytes) for x in jax.tree.leaves(
+                                                 __import__("flax").nnx.state(model)))}
+            del model
+    return out
 
 
 def real() -> dict:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
@@ -281,3 +282,37 @@ def test_parallel_flags_reach_llm_from_generate_and_serve(monkeypatch):
     args = cli.build_parser().parse_args(["serve", "--tensor-parallel-size", "3", "--data-parallel-size", "2"])
     kw = serve_kwargs(vars(args))
     assert kw["tensor_parallel_size"] == 3 and kw["data_parallel_size"] == 2
+
+
+# ---- the streaming loader onto the mesh (jlora.models.streaming) --------------------------------------
+
+SHARDED_PARAMS = ("layers.qkv_proj", "layers.o_proj", "layers.gate_up_proj", "layers.down_proj", "embed_tokens",
+                  "lm_head", "layers.qkv_proj_scale", "layers.gate_up_proj_scale", "lm_head_scale")
+
+
+@pytest.mark.parametrize("run", ["tp2_None", "tp4_None", "tp2_int8", "tp4_int8"])
+def test_streaming_sends_each_device_only_its_shard(tiny_result, run):
+    tp = int(run[2])
+    got = tiny_result["stream"][run]
+    seen = set()
+    for key, layer_shape, read in got["reads"]:
+        whole, part = int(np.prod(layer_shape)), int(np.prod(read))
+        if key in SHARDED_PARAMS:
+            assert part * tp == whole, (key, layer_shape, read)
+            seen.add(key)
+        else:  # norms, row-parallel scales: replicated, each device its own copy
+            assert part == whole, (key, layer_shape, read)
+    assert {"layers.qkv_proj", "layers.down_proj", "embed_tokens", "lm_head"} <= seen
+    # Afterwards the mesh's devices hold the same bytes (no whole copy left on the first one), the
+    # devices outside it nothing, and together the model's sharded bytes plus the replicated ones.
+    held = list(got["held"].values())
+    assert len(set(held[:tp])) == 1 and not any(held[tp:]), got["held"]
+    assert got["model_bytes"] / tp < held[0] < got["model_bytes"] / tp * 1.2
+
+
+@pytest.mark.parametrize("run", ["tp2_dp1", "tp4_dp1"])
+def test_one_engine_uses_the_arrays_streamed_onto_its_mesh(tiny_result, run):
+    assert tiny_result[run]["preplaced"] == [True]
+    # Data parallel: loaded onto the first device, which the first replica uses as it is; the others copy.
+    assert tiny_result["tp1_dp2"]["preplaced"] == [True, False]
+    assert tiny_result[run]["memory"]["host_load"]["peak_rss_bytes"] > 0

@@ -190,6 +190,8 @@ class ModelRunner:
         self.config = config
         self.eos_token_id = eos_token_id  # banned before a row's min_tokens
         self.tp = TensorParallel.create(model.cfg, list(devices) if devices is not None else jax.devices()[:1])
+        # Streamed onto exactly these devices (jlora.models.streaming): already laid out and sharded.
+        self._preplaced = getattr(model, "placed_on", None) == tuple(self.tp.mesh.devices.flat)
         model = layout_model(model, self.tp)
         self.layout_cfg = model.cfg  # KV heads repeated when tensor_parallel_size exceeds them
         self.graphdef, self.state = nnx.split(model)
@@ -218,6 +220,9 @@ class ModelRunner:
         """One weight on the mesh: in the shard-major column order and sharded by its name
         (`weight_spec`); bf16 kept as its bits on XLA:CPU (jlora.models.quant)."""
         name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
+        if self._preplaced and isinstance(w, jax.Array):  # no second copy, no trip through the host
+            target = self.tp.sharding(weight_spec(name, w.shape, w.dtype == jnp.int8, self.tp.size))
+            return w if w.sharding.is_equivalent_to(target, w.ndim) else jax.device_put(w, target)
         if self.tp.size > 1:
             w = self.tp.layout_weight(name, np.asarray(w))
         w = quant.to_storage(w)

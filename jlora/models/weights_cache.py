@@ -1,9 +1,10 @@
 """On-disk cache of converted weights, so a second start neither dequantizes GGUF nor converts again.
 
 A thin user of `jlora.content_cache.ContentCache` (root, key, verify, rebuild, atomic write, stats).
-An entry holds what `read_gguf` / `read_hf_checkpoint` return (Hugging Face names, [out, in]
-layout, already cast to the compute dtype) as one safetensors file that is read back through
-mmap, plus the model's config:
+An entry holds the checkpoint's tensors (Hugging Face names, [out, in] layout) already in their
+stored form (the compute dtype, or int8 + `<name>_scale` for a quantized entry) as one safetensors
+file, written one tensor at a time and read back through mmap by the streaming loader, plus the
+model's config:
 
     <root>/<key>/model.safetensors
     <root>/<key>/meta.json          format version, key, config, dtype, sources, file size
@@ -55,7 +56,7 @@ def _decode(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> tuple[Llama
 def cached_read(
     path: Path,
     dtype: Any,
-    read: Callable[[Path], tuple[LlamaConfig, dict[str, np.ndarray]]],
+    read: Callable[[Path], tuple[LlamaConfig, dict[str, Any]]],
     cache: ContentCache | None = None,
     quantization: str | None = None,
 ) -> tuple[LlamaConfig, dict[str, np.ndarray], bool]:
@@ -63,10 +64,12 @@ def cached_read(
 
     `quantization` ("int8", "int8-weight-only"): the projections and lm head are stored as int8 plus
     `<name>_scale` (`jlora.models.quant.prepare_tensors`); both int8 modes share one entry.
-    `read(path)` converts the source on a miss. The tensors returned on a miss are read back from the
-    new entry, so a hit and a miss hand `build_model` the same bytes.
+    `read(path)` opens the source on a miss (arrays, or `jlora.models.tensors` tensors read only when
+    written); the entry is written one tensor at a time. The tensors returned are views over an mmap
+    of the entry (on a miss too, so a hit and a miss hand the loader the same bytes).
     """
     from jlora.models import quant
+    from jlora.models.streaming import prepare
 
     cache = cache if cache is not None else open_cache()
     np_dtype = np.dtype(dtype)
@@ -78,12 +81,13 @@ def cached_read(
     if got is not None:
         return *got, True
     cfg, tensors = read(path)
-    tensors = quant.prepare_tensors(tensors, cfg.tie_word_embeddings, np_dtype, quantization)
+    # Converted and written one tensor at a time (no float32 copy of the checkpoint in memory).
+    tensors = prepare(tensors, cfg.tie_word_embeddings, np_dtype, quantization)
     info = {"config": cfg.to_json_dict(), "dtype": dtype_name, "quantization": "int8" if quantized else "none",
             "sources": [{"path": str(f.resolve()), "size": f.stat().st_size} for f in sources]}
-    if cache.put(key, tensors, info) is not None:  # else (disk full, read-only) serve from memory, uncached
+    if cache.put(key, tensors, info) is not None:  # else (disk full, read-only) convert again as they are read
         try:
             cfg, tensors = _decode(*cache.read(key))
-        except DAMAGED:  # removed under us by another process: the arrays in memory are the same
+        except DAMAGED:  # removed under us by another process: the lazy tensors give the same values
             pass
     return cfg, tensors, False
