@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -212,19 +213,20 @@ def build_model(cfg: LlamaConfig, tensors: dict[str, np.ndarray], dtype: Any = j
             raise ValueError(f"tensor {name!r} has shape {tensors[name].shape}, expected {tuple(expected)} "
                              f"(after transpose={transpose})")
         if layer is None:  # bf16 is stored as its bits on XLA:CPU (quant.to_storage)
-            flat[path].set_value(jnp.asarray(quant.to_storage(np.asarray(arr).astype(stored(path)))))
+            flat[path].set_value(jax.device_put(quant.to_storage(np.asarray(arr).astype(stored(path)))))
         elif cols is None:
             stacks[path][layer] = arr
         elif out_axis == 0:  # a sub-module's output channels of its packed module (q | k | v, gate | up)
             stacks[path][layer, cols[0]:cols[1]] = arr
         else:
             stacks[path][layer, :, cols[0]:cols[1]] = arr
+    # device_put, not jnp.asarray: asarray of a NumPy array compiles a tiny identity graph per shape.
     for path, arr in stacks.items():
-        flat[path].set_value(jnp.asarray(quant.to_storage(arr)))
+        flat[path].set_value(jax.device_put(quant.to_storage(arr)))
     nnx.update(model, nnx.from_flat_state(flat))
     # eval_shape left the rotary constant abstract; recompute it concretely.
     from jlora.models.llama import rope_inv_freq
-    model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
+    model.inv_freq = nnx.Variable(jax.device_put(rope_inv_freq(cfg)))
     return model
 
 
@@ -299,7 +301,7 @@ def restore_model(path: str | Path, dtype: Any = jnp.float32) -> Llama:
         state = ckpt.restore(path / "params", abstract)
     nnx.update(model, state)
     from jlora.models.llama import rope_inv_freq
-    model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
+    model.inv_freq = nnx.Variable(jax.device_put(rope_inv_freq(cfg)))
     return model
 
 
