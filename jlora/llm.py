@@ -273,8 +273,11 @@ class LLM:
                             tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of `messages` through the chat template; `tools` (OpenAI tool dicts) are handed
         to templates that render them."""
+        from jlora.chat_templates import check_messages
+
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model has no chat template")
+        check_messages(messages)
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                                  tools=tools)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
