@@ -187,8 +187,8 @@ class LLM:
             runner.warmup(progress=self.progress)
         if self.progress:
             n, hits = compile_stats.compile_count() - n, compile_stats.cache_hit_count() - hits
-            self._say(f"warm-up done in {time.perf_counter() - t:.1f} s: {n} graphs built, {hits} of them "
-                      f"loaded from the compile cache")
+            self._say(f"warm-up done in {time.perf_counter() - t:.1f} s: {n} graphs compiled ({hits} of them "
+                      f"loaded from the compile cache)")
 
     def _say(self, message: str) -> None:
         """One line of what the start is doing, on stderr beside tqdm's bars (only with progress=True)."""

@@ -149,6 +149,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two worker processes, ~40 s
 def test_two_processes_with_jax_distributed_match_one(tiny_dir, tiny_adapters, tiny_result):
     """TP = 2 across two processes (one CPU device each, gloo collectives) on localhost."""
     path, _ = tiny_dir
@@ -192,6 +193,7 @@ def real_result():
     return run_worker("real", timeout=1500)
 
 
+@pytest.mark.slow  # the real default model at TP 1 and 3
 def test_real_model_tp3_matches_one_device(real_result):
     """SmolLM2-135M: 9 query / 3 KV heads over 3 devices, three peft adapters and the base model mixed."""
     assert real_result["devices"] == 3

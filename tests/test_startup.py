@@ -78,6 +78,7 @@ def _step_compiles() -> dict[str, int]:
     return {s: table.get(s, (0, 0.0))[0] for s in STEP_STAGES}
 
 
+@pytest.mark.slow  # two engines without the compile cache, ~40 s
 def test_lazy_compiles_on_first_use_and_matches_eager(tiny_dir, tiny_adapters):
     from jlora import LLM, LoRARequest, SamplingParams
 
@@ -177,7 +178,9 @@ def test_start_says_what_it_is_doing(tiny_dir, tmp_path, capsys):
     steps = engine_config(**SMALL).num_step_graphs
     assert lines[1].startswith(f"jlora: compiling {steps + 1} graphs ({steps} step graphs, 1 set_slot); "), lines
     assert lines[2].startswith("jlora: warm-up done in "), lines
-    assert f"{steps + 1} graphs built" in lines[2], lines
+    # A graph identical to one compiled earlier in this process is reused, not compiled (nor counted).
+    built = int(lines[2].split(": ")[2].split(" graphs compiled")[0])
+    assert 1 <= built <= steps + 1, lines
     assert err.index(lines[1]) < err.index("jlora warm-up (compiling step graphs)") < err.index(lines[2])
     LLM(path, warmup=False, **{**kw, "weights_cache": tmp_path / "other"})
     err = capsys.readouterr().err
