@@ -1,5 +1,5 @@
 # Two entry points: `make demo` (multi-LoRA generation on the default model) and `make test`.
-# `make test-fast` is the developer's loop: everything but the tests marked slow.
+# `make test-fast` is the developer's loop: everything but the tests marked slow (a few minutes).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

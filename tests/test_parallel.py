@@ -205,6 +205,7 @@ def test_real_model_tp3_matches_one_device(real_result):
         assert got["shards"][f"0:{name}"]["fraction"] == pytest.approx(1 / 3), name
 
 
+@pytest.mark.slow  # shares the real-model worker above
 def test_real_model_tp_that_does_not_divide_the_heads_is_refused(real_result):
     assert "tensor_parallel_size=2 does not divide the model's 9 attention heads" in real_result["error_tp2_dp1"]
     assert "[1, 3]" in real_result["error_tp2_dp1"]  # 9 query heads, 3 KV heads, intermediate 1536
