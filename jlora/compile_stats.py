@@ -27,6 +27,24 @@ def _listener(event: str, duration: float, **_: object) -> None:
 
 jax.monitoring.register_event_duration_secs_listener(_listener)
 
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_cache_hits = 0
+
+
+def _hit_listener(event: str, **_: object) -> None:
+    global _cache_hits
+    if event == _CACHE_HIT_EVENT:
+        with _lock:
+            _cache_hits += 1
+
+
+jax.monitoring.register_event_listener(_hit_listener)
+
+
+def cache_hit_count() -> int:
+    """Compilations in this process so far that were loaded from the persistent compile cache."""
+    return _cache_hits
+
 
 def compile_count() -> int:
     """XLA compilations in this process so far (all stages)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence as Seq
@@ -126,6 +127,7 @@ class LLM:
         self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
         device_groups = parallel_devices(path, tensor_parallel_size, data_parallel_size)
         t_checked = time.perf_counter()
+        self.progress = progress
         if use_compilation_cache:
             enable_compilation_cache(compilation_cache_dir)
         from jlora.models import weights_cache as wc
@@ -134,6 +136,8 @@ class LLM:
         cache = None
         if weights_cache and wc.cache_enabled():
             cache = wc.open_cache(weights_cache_dir(compilation_cache_dir) if weights_cache is True else weights_cache)
+        if progress:
+            self._say(f"loading weights from {path}: {_weights_source(path, cache, _DTYPES[dtype], self.quantization)}")
         t1 = time.perf_counter()
         # One engine: stream the weights straight onto its devices, sharded (jlora.models.streaming).
         self.model, self.model_path, fields = load_model(path, _DTYPES[dtype], weights_cache=cache or False,
@@ -160,13 +164,14 @@ class LLM:
             adapter_cache = adapter_cache_dir(compilation_cache_dir)
         self.engine.adapters.set_disk_cache(adapter_cache)
         self.engine.adapters.set_max_cpu_lora_bytes(max_cpu_lora_bytes)
-        self.progress = progress
         t4 = time.perf_counter()
         # Where the start-up went, in seconds (`jlora bench start` reports these).
         self.startup_seconds: dict[str, float] = {
             "validate": t_checked - t0, "imports": t1 - t_checked, "load_weights": t2 - t1, "tokenizer": t3 - t2, "engine_init": t4 - t3}
         if warmup:
             self.warmup()
+        elif progress:
+            self._say("lazy start (warmup=False): each graph compiles the first time a batch needs it")
         self.startup_seconds["warmup"] = time.perf_counter() - t4
 
     @property
@@ -175,8 +180,24 @@ class LLM:
         return list(getattr(self.engine, "runners", [self.engine.runner]))
 
     def warmup(self) -> None:
+        """Compile every graph the engine can need (eager start): the slot writes and each step shape."""
+        steps = sum(len([s for s in r.config.step_shapes() if s not in r._executables]) for r in self.runners)
+        slots = sum(len(r.lora.pools) for r in self.runners)
+        if self.progress:
+            self._say(f"compiling {steps + slots} graphs ({steps} step graphs, {slots} set_slot); "
+                      f"{_compile_cache_holds()}")
+        t, n, hits = time.perf_counter(), compile_stats.compile_count(), compile_stats.cache_hit_count()
         for runner in self.runners:
             runner.warmup(progress=self.progress)
+        if self.progress:
+            n, hits = compile_stats.compile_count() - n, compile_stats.cache_hit_count() - hits
+            self._say(f"warm-up done in {time.perf_counter() - t:.1f} s: {n} graphs compiled ({hits} of them "
+                      f"loaded from the compile cache)")
+
+    def _say(self, message: str) -> None:
+        """One line of what the start is doing, on stderr beside tqdm's bars (only with progress=True)."""
+        if self.progress:
+            print(f"jlora: {message}", file=sys.stderr, flush=True)
 
     # ---- generation -------------------------------------------------------------------------------
 
@@ -256,8 +277,11 @@ class LLM:
                             tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of `messages` through the chat template; `tools` (OpenAI tool dicts) are handed
         to templates that render them."""
+        from jlora.chat_templates import check_messages
+
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model has no chat template")
+        check_messages(messages)
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                                  tools=tools)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
@@ -353,6 +377,35 @@ class LLM:
         if print_table:
             print(compile_stats.format_table(table))
         return table
+
+
+def _weights_source(path: Path, cache: Any, dtype: Any, quantization: str | None) -> str:
+    """Where `load_model` is about to take the weights from, in words (the weights cache's hit or miss
+    is looked up by the same key `cached_read` uses)."""
+    if path.is_dir() and (path / "jlora_model.json").is_file():
+        return "a jlora checkpoint, read as saved"
+    convert = "dequantizing the GGUF" if path.is_file() else "converting the checkpoint"
+    if cache is None:
+        return f"weights cache off, {convert}"
+    from jlora.content_cache import META_FILE
+    from jlora.models import weights_cache as wc
+
+    entry = cache.entry(wc.model_key(path, dtype, cache, quantization))
+    if (entry / META_FILE).is_file():
+        return f"weights cache hit ({entry})"
+    return f"weights cache miss, {convert} and caching it in {cache.root}"
+
+
+def _compile_cache_holds() -> str:
+    """How many compiled graphs the persistent compile cache holds (of every engine configuration)."""
+    where = jax.config.jax_compilation_cache_dir
+    if not where or not jax.config.jax_enable_compilation_cache:
+        return "the compile cache is off"
+    try:
+        held = sum(1 for f in os.scandir(where) if f.name.endswith("-cache"))
+    except OSError:
+        held = 0
+    return f"the compile cache ({where}) holds {held} graphs of any configuration"
 
 
 def parallel_devices(model: str | os.PathLike | Path, tensor_parallel_size: int,

@@ -137,6 +137,11 @@ def real() -> dict:
     random adapters made by peft (all-linear rank 8, and q/v rank 4)."""
     import tempfile
 
+    with tempfile.TemporaryDirectory() as root:  # 13 MB of adapters, removed when done
+        return _real(root)
+
+
+def _real(root: str) -> dict:
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
@@ -145,7 +150,6 @@ def real() -> dict:
     from jlora.models import default_model_path
 
     path = default_model_path()
-    root = tempfile.mkdtemp()
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     adapters = []
     for i, (r, targets) in enumerate(((8, "all-linear"), (4, ["q_proj", "v_proj"]), (8, ["k_proj", "gate_proj"]))):

@@ -1,7 +1,11 @@
 """The committed demo adapters show their trained behaviours, all together in one mixed batch."""
 
+import pytest
+
 from jlora import LoRARequest, SamplingParams
 from jlora.demo import DEMO_ADAPTERS
+
+pytestmark = pytest.mark.slow  # the real default model
 
 
 def is_all_caps(text: str) -> bool:

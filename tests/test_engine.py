@@ -324,6 +324,16 @@ def test_chat_takes_one_message_dict_one_conversation_or_several(llm):
         llm.chat([], greedy(4))
 
 
+def test_chat_refuses_an_unknown_role_by_name(llm):
+    for bad, word in [({"role": "usr", "content": "Hello"}, r"messages\[0\]\.role is 'usr'"),
+                      ({"content": "Hello"}, r"messages\[0\]\.role is None"), ("Hello", r"messages\[0\] must be a dict")]:
+        with pytest.raises(ValueError, match=word):
+            llm.chat([bad], greedy(4))
+    with pytest.raises(ValueError, match=r"messages\[1\]\.role is 'System'"):
+        llm.chat([{"role": "user", "content": "a"}, {"role": "System", "content": "b"}], greedy(4))
+    assert not llm.engine.has_unfinished()
+
+
 def test_prompt_logprobs_match_transformers_log_softmax(llm, tiny_dir):
     """Over a 50-token prompt (several prefill chunks), beside a request without them, with n=2."""
     hf = tiny_dir[1]

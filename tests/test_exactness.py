@@ -162,6 +162,7 @@ def check_sample(got, exp, aborted: bool, tok) -> None:
                                atol=1e-3)
 
 
+@pytest.mark.slow  # randomized workloads, ~25 s a round
 @pytest.mark.parametrize("seed", range(ROUNDS))
 def test_randomized_workload_equals_reference(llm, ref, tiny_adapters, seed):
     rng = np.random.default_rng(seed)

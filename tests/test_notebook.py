@@ -3,7 +3,10 @@
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow  # the real default model (train_and_serve trains it for 200 steps)
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 

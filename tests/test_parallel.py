@@ -150,6 +150,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two worker processes, ~40 s
 def test_two_processes_with_jax_distributed_match_one(tiny_dir, tiny_adapters, tiny_result):
     """TP = 2 across two processes (one CPU device each, gloo collectives) on localhost."""
     path, _ = tiny_dir
@@ -193,6 +194,7 @@ def real_result():
     return run_worker("real", timeout=1500)
 
 
+@pytest.mark.slow  # the real default model at TP 1 and 3
 def test_real_model_tp3_matches_one_device(real_result):
     """SmolLM2-135M: 9 query / 3 KV heads over 3 devices, three peft adapters and the base model mixed."""
     assert real_result["devices"] == 3
@@ -204,6 +206,7 @@ def test_real_model_tp3_matches_one_device(real_result):
         assert got["shards"][f"0:{name}"]["fraction"] == pytest.approx(1 / 3), name
 
 
+@pytest.mark.slow  # shares the real-model worker above
 def test_real_model_tp_that_does_not_divide_the_heads_is_refused(real_result):
     assert "tensor_parallel_size=2 does not divide the model's 9 attention heads" in real_result["error_tp2_dp1"]
     assert "[1, 3]" in real_result["error_tp2_dp1"]  # 9 query heads, 3 KV heads, intermediate 1536

@@ -9,6 +9,8 @@ import torch
 
 from jlora import LoRARequest, SamplingParams, compile_stats
 
+pytestmark = pytest.mark.slow  # the real default model
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

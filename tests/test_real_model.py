@@ -8,6 +8,8 @@ import torch
 from jlora import SamplingParams
 from jlora.models import init_cache
 
+pytestmark = pytest.mark.slow  # the real default model
+
 CHATS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -441,6 +442,44 @@ def test_tokenize_detokenize_version_and_one_model(live):
     assert http.get("/v1/models/tiny").json()["id"] == "tiny"
     assert _error(http.get("/v1/models/nope"), 404)["param"] == "model"
     assert live.client().models.retrieve("a2").id == "a2"
+
+
+def test_model_defaults_to_the_base_and_an_unknown_role_is_refused(live):
+    """As vLLM: a request without `model` is the base model's, and the reply names it; a role that is
+    not OpenAI's (a typo such as "usr") is a 400 naming it, not a turn the template renders silently."""
+    http = live.http()
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    got = http.post("/v1/completions", json=body).json()
+    assert got["model"] == "tiny"
+    assert got["choices"][0]["text"] == live.offline([PROMPTS[0]], None, 6)[0].outputs[0].text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=chat).json()["model"] == "tiny"
+    err = _error(http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "usr", "content": "hi"}]}), 400)
+    assert err["param"] == "messages.0.role" and "'user'" in err["message"]
+
+
+def test_every_request_gets_a_log_line(live, caplog):
+    """One INFO line per request on `jlora.server` (as vLLM logs each): client, method, path, status, the
+    completion's id when there is one, seconds; refused requests too."""
+    http = live.http()
+    with caplog.at_level("INFO", logger="jlora.server"):
+        got = http.post("/v1/chat/completions", json={"model": "a1", "messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 2}).json()
+        _error(http.post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404)
+        with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3,
+                                                           "stream": True}) as stream:
+            stream_id = json.loads(next(ln for ln in list(stream.iter_lines()) if ln.startswith("data: {"))[6:])["id"]
+        http.get("/health")
+        deadline = time.monotonic() + 10  # a line is written once its response has been sent
+        while sum(r.name == "jlora.server" for r in caplog.records) < 4:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.02)
+    lines = [r.getMessage() for r in caplog.records if r.name == "jlora.server"]
+    assert len(lines) == 4, lines  # a stream's line may come after a later request's: it ends after its body
+    for want in (f'"POST /v1/chat/completions" 200 {got["id"]} ', '"POST /v1/completions" 404 - ',
+                 f'"POST /v1/completions" 200 {stream_id} ', '"GET /health" 200 - '):
+        assert sum(want in ln for ln in lines) == 1, (want, lines)
+    assert all(re.fullmatch(r'127\.0\.0\.1:\d+ ".+" \d{3} \S+ \d+\.\d\d s', ln) for ln in lines), lines
 
 
 def test_client_disconnect_aborts_and_frees_resources(live):

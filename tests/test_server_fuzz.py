@@ -54,6 +54,7 @@ def _no_abort(response) -> None:
             assert choice.get("finish_reason") not in ("abort", "error"), body
 
 
+@pytest.mark.slow  # schemathesis, ~50 s
 @pytest.mark.parametrize("mode", list(EXAMPLES), ids=lambda m: m.value)
 def test_the_served_schema_fuzzed_finds_no_server_error_and_leaves_the_engine_idle(live, mode):
     schema = schemathesis.openapi.from_url(live.base_url + "/openapi.json")

@@ -34,6 +34,7 @@ def uniform_and_mixed(tiny_dir, tiny_adapters):
     return uniform, mixed, run(uniform, tiny_adapters), run(mixed, tiny_adapters)
 
 
+@pytest.mark.slow  # two engines, ~60 s
 def test_mixed_slot_ranks_give_the_uniform_slots_tokens_and_logprobs(uniform_and_mixed):
     _, _, (tok_u, lp_u, _), (tok_m, lp_m, _) = uniform_and_mixed
     assert tok_m == tok_u and all(len(t) == 8 for t in tok_m)

@@ -78,6 +78,7 @@ def _step_compiles() -> dict[str, int]:
     return {s: table.get(s, (0, 0.0))[0] for s in STEP_STAGES}
 
 
+@pytest.mark.slow  # two engines without the compile cache, ~40 s
 def test_lazy_compiles_on_first_use_and_matches_eager(tiny_dir, tiny_adapters):
     from jlora import LLM, LoRARequest, SamplingParams
 
@@ -129,3 +130,63 @@ def test_llm_weights_cache_option_and_env(tiny_dir, tmp_path, monkeypatch):
     assert LLM(path, weights_cache=False, **kw).weights_cache_hit is None
     monkeypatch.setenv("JLORA_WEIGHTS_CACHE", "0")
     assert LLM(path, weights_cache=root, **kw).weights_cache_hit is None
+
+
+def test_building_the_model_compiles_only_the_loaders_graphs():
+    """Weights go to the device with device_put: jnp.asarray of a NumPy array compiled one identity graph
+    per parameter shape (8 of the 17 graphs of a default start). What compiles now is the streaming
+    loader's own few graphs (the stacks' zeros and the donated layer write), under the "load" stage,
+    however many layers. Shapes no other test uses, so a graph compiled earlier in the run cannot
+    hide one here."""
+    import numpy as np
+
+    from jlora.models import build_model
+    from jlora.models.config import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=41, hidden_size=20, intermediate_size=44, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=10)
+    rng = np.random.default_rng(0)
+    d = cfg.hidden_size
+    t = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, d)), "model.norm.weight": np.ones(d),
+         "lm_head.weight": rng.standard_normal((cfg.vocab_size, d))}
+    for i in range(cfg.num_hidden_layers):
+        for m, (d_in, d_out) in cfg.module_shapes().items():
+            sub = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            t[f"model.layers.{i}.{sub}.{m}.weight"] = rng.standard_normal((d_out, d_in))
+        t[f"model.layers.{i}.input_layernorm.weight"] = np.ones(d)
+        t[f"model.layers.{i}.post_attention_layernorm.weight"] = np.ones(d)
+    t = {k: v.astype(np.float32) for k, v in t.items()}
+    before, stages = compile_stats.compile_count(), compile_stats.stage_table()
+    model = build_model(cfg, t)
+    after = compile_stats.stage_table()
+    grew = {k: after[k][0] - stages.get(k, (0, 0.0))[0] for k in after if after[k][0] != stages.get(k, (0, 0.0))[0]}
+    assert set(grew) <= {"load"} and compile_stats.compile_count() - before == sum(grew.values()) <= 4, grew
+    np.testing.assert_array_equal(np.asarray(model.embed_tokens.get_value()), t["model.embed_tokens.weight"])
+
+
+def test_start_says_what_it_is_doing(tiny_dir, tmp_path, capsys):
+    """One line each: where the weights come from (hit or miss), the graphs about to compile and what
+    the compile cache holds, then the bar; nothing with progress=False."""
+    from jlora import LLM
+
+    path, _ = tiny_dir
+    root = tmp_path / "weights"
+    kw = dict(use_compilation_cache=False, weights_cache=root, **SMALL)
+    LLM(path, progress=False, warmup=False, **kw)  # writes the weights cache entry, silently
+    quiet = capsys.readouterr()
+    assert "jlora:" not in quiet.err + quiet.out
+    LLM(path, **kw)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("jlora: ")]
+    assert lines[0].startswith(f"jlora: loading weights from {path}: weights cache hit ({root}"), lines
+    steps = engine_config(**SMALL).num_step_graphs
+    assert lines[1].startswith(f"jlora: compiling {steps + 1} graphs ({steps} step graphs, 1 set_slot); "), lines
+    assert lines[2].startswith("jlora: warm-up done in "), lines
+    # A graph identical to one compiled earlier in this process is reused, not compiled (nor counted).
+    built = int(lines[2].split(": ")[2].split(" graphs compiled")[0])
+    assert 1 <= built <= steps + 1, lines
+    assert err.index(lines[1]) < err.index("jlora warm-up (compiling step graphs)") < err.index(lines[2])
+    LLM(path, warmup=False, **{**kw, "weights_cache": tmp_path / "other"})
+    err = capsys.readouterr().err
+    assert f"weights cache miss, converting the checkpoint and caching it in {tmp_path / 'other'}" in err
+    assert "lazy start (warmup=False)" in err

@@ -88,6 +88,7 @@ def test_lora_delta_gradients(name, splits):
 # ---- the training forward ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # training runs, 25-40 s each
 def test_train_logits_equal_the_serving_forward(tiny):
     _, cfg, model = tiny
     params = init_lora_params(cfg, ADAPTER, jax.random.key(0), num_adapters=2)
@@ -160,6 +161,7 @@ def test_save_peft_round_trips_a_peft_adapter(tiny, tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # training runs, 25-40 s each
 def test_train_steps_then_export_match_peft(tiny, tmp_path):
     """A few optax Adam steps: the loss falls, untargeted lanes stay exactly zero, and the
     exported adapter gives in peft the logits jlora's training forward gives."""
@@ -219,6 +221,7 @@ def test_export_refuses_what_it_would_drop(tiny, tmp_path):
 # ---- serving what was trained --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # training runs, 25-40 s each
 def test_train_step_then_update_adapter_serves_it_without_compiling(tiny_dir, tmp_path):
     """Through LLM on the tiny engine model: a train step, `update_adapter`, and the served
     output changes to exactly what the new weights give (the same weights from a PEFT directory

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -267,7 +268,7 @@ def restore_model(path: str | Path, dtype: Any = jnp.float32) -> Llama:
         state = ckpt.restore(path / "params", abstract)
     nnx.update(model, state)
     from jlora.models.llama import rope_inv_freq
-    model.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
+    model.inv_freq = nnx.Variable(jax.device_put(rope_inv_freq(cfg)))
     return model
 
 

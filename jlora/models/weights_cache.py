@@ -49,6 +49,14 @@ def entry_key(cache: ContentCache, sources: list[Path], dtype_name: str) -> str:
     return cache.key(dtype_name, *(f"{f.name}|{cache.digest(f)}" for f in sources))
 
 
+def model_key(path: Path, dtype: Any, cache: ContentCache, quantization: str | None = None) -> str:
+    """The key `cached_read` reads and writes for this model, dtype and quantization."""
+    from jlora.models import quant
+
+    quantized = quant.check_quantization(quantization) != "none"
+    return entry_key(cache, source_files(path), np.dtype(dtype).name + ("|int8" if quantized else ""))
+
+
 def _decode(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     return LlamaConfig.from_json_dict(meta["config"]), tensors
 
@@ -76,7 +84,7 @@ def cached_read(
     dtype_name = np_dtype.name
     quantized = quant.check_quantization(quantization) != "none"
     sources = source_files(path)
-    key = entry_key(cache, sources, dtype_name + ("|int8" if quantized else ""))
+    key = model_key(path, dtype, cache, quantization)
     got = cache.get(key, _decode)
     if got is not None:
         return *got, True

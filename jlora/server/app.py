@@ -179,6 +179,8 @@ class OpenAIServer:
     async def complete(self, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         received = time.time()
         chat = isinstance(req, ChatCompletionRequest)
+        if req.model is None:  # as vLLM: no model means the base model, and the reply names it
+            req.model = self.model_id
         lora = self.lora_for(req.model)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
@@ -222,6 +224,7 @@ class OpenAIServer:
                           for p in prompts]
         fmt = Formatter(chat, req.model, req.n, self.llm.tokenizer, num_logprobs, include_usage,
                         req.return_tokens_as_token_ids, echo_texts, prompt_only, tools, self.llm.engine.eos_token_id)
+        request.state.request_id = fmt.id  # for the access log line
         gen = Generation(self.engine, fmt.id, len(prompts), received)
         await gen.start(prompts, params, lora)
         if req.stream:
@@ -352,6 +355,36 @@ class _BodySizeLimit:
         await self.app(scope, counted, send)
 
 
+class _AccessLog:
+    """One INFO line per request on the `jlora.server` logger once its response has been sent (a
+    stream: when it ends): client, method, path, status, the completion's id when it has one, and
+    seconds taken, e.g. `127.0.0.1:50112 "POST /v1/chat/completions" 200 chatcmpl-3f2a... 0.84 s`."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 0
+        state = scope.setdefault("state", {})  # what Starlette's request.state writes into
+
+        async def send_and_see(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_see)
+        finally:
+            client = scope.get("client")
+            where = f"{client[0]}:{client[1]}" if client else "-"
+            query = f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else ""
+            log.info('%s "%s %s%s" %s %s %.2f s', where, scope["method"], scope["path"], query, status or "-",
+                     state.get("request_id", "-"), time.perf_counter() - start)
+
+
 # ---- the app -------------------------------------------------------------------------------------------
 
 
@@ -478,7 +511,8 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
     app.openapi = lambda: _openapi(app, server)  # type: ignore[method-assign]
     if api_key:
         app.add_middleware(_BearerAuth, api_key=api_key, metrics_auth=metrics_auth)
-    app.add_middleware(_BodySizeLimit, max_bytes=max_request_bytes)  # outermost: before auth reads anything
+    app.add_middleware(_BodySizeLimit, max_bytes=max_request_bytes)  # before auth reads anything
+    app.add_middleware(_AccessLog)  # outermost: every request gets its line, refused ones too
     return app
 
 

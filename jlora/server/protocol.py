@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from jlora.chat_templates import ROLES
 from jlora.sampling_params import (
     BOUNDS, INT32_MAX, MAX_BANNED, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, OPEN_LOW,
 )
@@ -63,7 +64,7 @@ StopField = Text | Annotated[list[Annotated[Text, Field(min_length=1, max_length
 
 
 class _SamplingFields(_Body):
-    model: Text
+    model: Text | None = None  # None: the base model (as vLLM does)
     max_tokens: _bounded("max_tokens", True) | None = None
     temperature: _bounded("temperature") | None = None  # None = 1.0, OpenAI's default
     top_p: _bounded("top_p") | None = None
@@ -116,7 +117,7 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Text
+    role: Literal[ROLES]  # OpenAI's roles: a typo such as "usr" is a 400 naming messages.N.role
     content: Text | list[dict[str, Any]] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: Text | None = None  # a "tool" turn: the call it answers

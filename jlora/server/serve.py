@@ -51,7 +51,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="/health answers 503 when the engine thread has made no progress for this many seconds")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before they are aborted")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's and jlora's log level; at info every request gets a line (method, path, "
+                        "status, request id, seconds), as in vLLM")
 
 
 def parse_lora_modules(items: list[str]) -> dict[str, str]:
@@ -119,6 +121,17 @@ def bind(host: str, port: int = 0) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def log_requests(level: str) -> None:
+    """jlora's own log lines (one per request from `jlora.server`) on stderr, as uvicorn writes its own."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("jlora")
+    root.addHandler(handler)
+    root.setLevel("DEBUG" if level == "trace" else level.upper())
 
 
 def engine_kwargs(flags: dict[str, Any]) -> dict[str, Any]:
@@ -210,6 +223,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from jlora.models.loading import DEFAULT_MODEL
     from jlora.server.app import build_app
 
+    log_requests(args.log_level)
     kwargs = engine_kwargs(vars(args))
     kwargs.update(warmup=not getattr(args, "lazy", False), weights_cache=not getattr(args, "no_weights_cache", False))
     llm = LLM(args.model, **kwargs)
