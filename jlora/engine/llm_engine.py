@@ -57,6 +57,11 @@ class EngineStats:
     num_failed_steps: int  # device steps that raised (their requests were retried one by one)
     lora_resident: int  # adapters in device slots
     lora: dict[str, int]  # the adapter manager's counters (slot_hits, disk_loads, host_hits, ...)
+    # Prefix caching (vLLM's prefix_cache_queries / prefix_cache_hits): prompt tokens looked up at
+    # admission and, of them, found computed; cached blocks no sequence uses (free, kept until evicted).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_cached: int = 0
 
 
 class LLMEngine:
@@ -103,8 +108,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, total = self.scheduler, self.config.num_kv_blocks
+        pc = s.prefix_cache
         return EngineStats(len(s.running), len(s.waiting), total - s.kv.num_free, total, s.num_preemptions,
-                           self.num_failed_steps, len(self.adapters.resident()), dict(self.adapters.stats))
+                           self.num_failed_steps, len(self.adapters.resident()), dict(self.adapters.stats),
+                           pc.queries if pc else 0, pc.hits if pc else 0, s.kv.num_cached_free)
 
     # ---- requests -------------------------------------------------------------------------------
 
