@@ -5,6 +5,7 @@ starts from, never its tokens or logprobs, and never crosses adapters or adapter
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -158,3 +159,130 @@ def test_prompt_logprobs_requests_skip_the_cache(on, off):
 def test_config_and_flag_checks(tiny_dir):
     with pytest.raises(ValueError, match="enable_prefix_caching must be a bool"):
         LLM(str(tiny_dir[0]), enable_prefix_caching="yes", warmup=False, **ENGINE)
+
+
+# ---- adapter versions ---------------------------------------------------------------------------------
+
+
+def _adapter_files(src, dst) -> None:
+    dst.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        shutil.copy(f, dst / f.name)
+
+
+def test_reloaded_adapter_never_hits_the_old_versions_blocks(on, off, tiny_adapters, tmp_path):
+    """A reloaded under the same name (its files changed) computes its own blocks, while a request
+    started on the old version keeps its blocks and its answer."""
+    path = tmp_path / "reload"
+    _adapter_files(tiny_adapters[1], path)
+    prompt = tokens(6, 60)
+    want_v1 = run(off, [prompt], greedy(30), [LoRARequest("v1only", 811, str(tiny_adapters[1]))])[0]
+    want_v2 = run(off, [prompt], greedy(30), [LoRARequest("v2only", 812, str(tiny_adapters[3]))])[0]
+    assert want_v1.outputs[0].token_ids != want_v2.outputs[0].token_ids
+    eng = on.engine
+    lr = LoRARequest("reloaded", 810, str(path))
+    assert run(on, [prompt], greedy(2), [lr])[0].num_cached_tokens == 0  # version 1's blocks are cached now
+    old = eng.add_request({"prompt_token_ids": prompt}, greedy(30), lr)
+    while eng.requests[old].seqs[0].state.value != "decode":
+        eng.step()
+    assert eng.requests[old].seqs[0].num_cached_tokens == 48
+    _adapter_files(tiny_adapters[3], path)  # other weights under the same name and path
+    new = eng.add_request({"prompt_token_ids": prompt}, greedy(30), LoRARequest("reloaded", 810, str(path)))
+    while eng.has_unfinished():
+        eng.step()
+    got_old, got_new = eng.pop_finished(old), eng.pop_finished(new)
+    assert got_new.num_cached_tokens == 0
+    assert got_old.outputs[0].token_ids == want_v1.outputs[0].token_ids
+    assert got_new.outputs[0].token_ids == want_v2.outputs[0].token_ids
+    # Version 2 is cached under its own identity now.
+    again = run(on, [prompt], greedy(30), [LoRARequest("reloaded", 810, str(path))])[0]
+    assert again.num_cached_tokens == 48 and again.outputs[0].token_ids == want_v2.outputs[0].token_ids
+
+
+def test_in_memory_versions_are_keyed_by_content(on, off, tiny_adapters):
+    def mem(i: int) -> LoRARequest:
+        d = tiny_adapters[i]
+        return LoRARequest("mem", 820, tensors=load_file(str(d / "adapter_model.safetensors")),
+                           config=json.loads((d / "adapter_config.json").read_text()))
+
+    prompt = tokens(7, 40)
+    v1, v2 = mem(2), mem(0)
+    assert run(on, [prompt], greedy(6), [v1])[0].num_cached_tokens == 0
+    got2 = run(on, [prompt], greedy(6), [v2])[0]  # new content under the same name and id: no hit
+    assert got2.num_cached_tokens == 0
+    assert got2.outputs[0].token_ids == run(off, [prompt], greedy(6), [v2])[0].outputs[0].token_ids
+    back = run(on, [prompt], greedy(6), [mem(2)])[0]  # the first content again: its own blocks are valid
+    assert back.num_cached_tokens == 32
+    assert back.outputs[0].token_ids == run(off, [prompt], greedy(6), [v1])[0].outputs[0].token_ids
+
+
+# ---- randomized: shared prefixes, adapters, eviction and preemption -------------------------------------
+
+SMALL = dict(ENGINE, num_kv_blocks=12)  # 192 positions: sequences of up to 128 overflow it
+ROUNDS = int(os.environ.get("JLORA_EXACTNESS_ROUNDS", "1"))  # seeds of the randomized test
+
+
+def shared_prefix_jobs(rng: np.random.Generator, ref, loras: list, n_jobs: int) -> list:
+    """Prompts built from a few shared prefixes (whole, extended, or cut short), over several adapters
+    and the base, with the exactness harness's random sampling settings, arrivals and aborts."""
+    from test_exactness import Job, _random_params
+
+    prefixes = [tokens(100 + i, int(rng.integers(17, 90))) for i in range(3)]
+    jobs = []
+    for i in range(n_jobs):
+        prefix = prefixes[int(rng.integers(0, len(prefixes)))]
+        kind = rng.choice(["same", "extend", "cut"])
+        if kind == "same":
+            prompt = list(prefix)
+        elif kind == "extend":
+            prompt = prefix + rng.integers(3, 49152, int(rng.integers(1, 25))).tolist()
+        else:
+            prompt = prefix[: int(rng.integers(1, len(prefix) + 1))]
+        prompt = [int(t) for t in prompt[:110]]
+        lora = loras[int(rng.integers(0, len(loras)))]
+        kw = _random_params(rng, seed=int(rng.integers(0, 2**32)))
+        abort_after = int(rng.integers(0, 8)) if rng.random() < 0.1 else None
+        jobs.append(Job(f"pj{i}", prompt, SamplingParams(**kw), lora, int(rng.integers(0, 30)), abort_after))
+    for j in jobs:
+        j.expected = ref.generate(j.prompt, j.params, j.params.seed, j.lora and j.lora.lora_path)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def small(tiny_dir):
+    """Cache on and off over a 12-block KV cache, and the reference generator."""
+    from reference import ReferenceGenerator
+
+    on_, off_ = LLM(str(tiny_dir[0]), **SMALL), LLM(str(tiny_dir[0]), enable_prefix_caching=False, **SMALL)
+    ref = ReferenceGenerator(on_.model, on_.tokenizer, SMALL["max_model_len"], on_.engine.eos_token_id,
+                             SMALL["max_lora_rank"])
+    return on_, off_, ref
+
+
+@pytest.mark.parametrize("seed", range(ROUNDS))
+def test_randomized_shared_prefixes_equal_cache_off_and_reference(small, tiny_adapters, seed):
+    from test_exactness import check_sample, drive
+
+    small_on, small_off, ref = small
+    loras = [None] + [LoRARequest(f"r{i}", 900 + i, str(tiny_adapters[i])) for i in (1, 2, 3)]
+    jobs = shared_prefix_jobs(np.random.default_rng(seed), ref, loras, n_jobs=20)
+    compiles, hits = compile_stats.compile_count(), small_on.engine.stats().prefix_cache_hits
+    evictions, preemptions = small_on.engine.scheduler.prefix_cache.evictions, small_on.engine.num_preemptions
+    got_on, streams = drive(small_on.engine, jobs)
+    got_off, _ = drive(small_off.engine, jobs)
+    assert compile_stats.compile_count() == compiles, "prefix caching compiled a graph"
+    assert small_on.engine.stats().prefix_cache_hits > hits, "the workload should hit"
+    assert small_on.engine.scheduler.prefix_cache.evictions > evictions, "the workload should evict"
+    assert small_on.engine.num_preemptions > preemptions, "the workload should preempt"
+    for eng in (small_on.engine, small_off.engine):
+        assert eng.kv.num_free == SMALL["num_kv_blocks"] and not eng.has_unfinished()
+        assert all(eng.kv.refs(b) == 0 for b in range(SMALL["num_kv_blocks"]))
+    for j in jobs:
+        aborted = j.abort_after is not None
+        for g_on, g_off, exp, streamed in zip(got_on[j.rid].outputs, got_off[j.rid].outputs, j.expected,
+                                              streams[j.rid]):
+            assert streamed == g_on.text
+            check_sample(g_on, exp, aborted, small_on.tokenizer)
+            check_sample(g_off, exp, aborted, small_off.tokenizer)
+            if not aborted:
+                assert g_on.token_ids == g_off.token_ids

@@ -53,6 +53,7 @@ class PrefixCache:
         self._claims: dict[bytes, Any] = {}  # hash -> the running sequence computing that block
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of them, found computed
+        self.evictions = 0  # cached blocks forgotten to make room
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -98,6 +99,7 @@ class PrefixCache:
     def evict_lru(self) -> int:
         """Forget the least recently used unreferenced block and return it for reuse."""
         block, _ = self._parked.popitem(last=False)
+        self.evictions += 1
         del self._block_of[self._hash_of.pop(block)]
         return block
 
