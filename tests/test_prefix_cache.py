@@ -286,3 +286,36 @@ def test_randomized_shared_prefixes_equal_cache_off_and_reference(small, tiny_ad
             check_sample(g_off, exp, aborted, small_off.tokenizer)
             if not aborted:
                 assert g_on.token_ids == g_off.token_ids
+
+
+# ---- data parallel --------------------------------------------------------------------------------------
+
+
+def test_data_parallel_routes_to_the_replica_holding_the_prefix(on, tiny_adapters):
+    """Two replicas (both on the one CPU device: routing is host logic): a request follows the
+    replica that holds its prompt's prefix under its adapter, unless that one is a batch busier."""
+    from jlora.engine.data_parallel import DataParallelEngine
+    from jlora.engine.llm_engine import LLMEngine
+
+    dp = DataParallelEngine([LLMEngine(on.model, on.tokenizer, on.config, on.engine.eos_token_id) for _ in range(2)])
+    a = LoRARequest("dpA", 950, str(tiny_adapters[1]))
+    shared = tokens(8, 40)
+    first = dp.add_request({"prompt_token_ids": shared + [5]}, greedy(4), a)
+    other = dp.add_request({"prompt_token_ids": tokens(9, 40)}, greedy(4))  # least loaded: replica 1
+    follow = dp.add_request({"prompt_token_ids": shared + [6, 7]}, greedy(4), a)  # queued with `first`
+    base = dp.add_request({"prompt_token_ids": shared + [6]}, greedy(4))  # same tokens, base model: no prefix held
+    assert [dp.replica_of(r) for r in (first, other, follow, base)] == [0, 1, 0, 1]
+    while dp.has_unfinished():
+        dp.step()
+    outs = {r: dp.pop_finished(r) for r in (first, other, follow, base)}
+    assert outs[follow].num_cached_tokens == 32 and outs[base].num_cached_tokens == 0
+    assert outs[follow].outputs[0].token_ids == run(on, [shared + [6, 7]], greedy(4), [a])[0].outputs[0].token_ids
+    later = dp.add_request({"prompt_token_ids": shared + [9]}, greedy(4), a)  # from the cache this time
+    assert dp.replica_of(later) == 0
+    # A replica a full batch (max_num_seqs) busier loses its prefix's requests to the least loaded.
+    busy = [dp.add_request({"prompt_token_ids": shared + [i]}, greedy(4), a) for i in range(4)]
+    assert {dp.replica_of(r) for r in busy} == {0, 1}
+    while dp.has_unfinished():
+        dp.step()
+    st = dp.stats()
+    assert st.prefix_cache_hits > 0 and st.prefix_cache_queries >= st.prefix_cache_hits
