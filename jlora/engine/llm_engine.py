@@ -108,10 +108,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, total = self.scheduler, self.config.num_kv_blocks
-        pc = s.prefix_cache
+        queries, hits = (0, 0) if s.prefix_cache is None else (s.prefix_cache.queries, s.prefix_cache.hits)
         return EngineStats(len(s.running), len(s.waiting), total - s.kv.num_free, total, s.num_preemptions,
                            self.num_failed_steps, len(self.adapters.resident()), dict(self.adapters.stats),
-                           pc.queries if pc else 0, pc.hits if pc else 0, s.kv.num_cached_free)
+                           queries, hits, s.kv.num_cached_free)
 
     # ---- requests -------------------------------------------------------------------------------
 
