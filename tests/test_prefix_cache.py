@@ -319,3 +319,24 @@ def test_data_parallel_routes_to_the_replica_holding_the_prefix(on, tiny_adapter
         dp.step()
     st = dp.stats()
     assert st.prefix_cache_hits > 0 and st.prefix_cache_queries >= st.prefix_cache_hits
+
+
+# ---- families ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2"])
+def test_sliding_window_families_hit_and_keep_outputs(name, tmp_path):
+    """Prefixes longer than the window (24 on every layer; 20 on Qwen2's second): cached blocks
+    outside every window are simply not read, and the answers do not change."""
+    from test_families import ENGINE as FAMILY_ENGINE, make_checkpoint
+
+    path, _ = make_checkpoint(tmp_path, name)
+    kw = {**FAMILY_ENGINE, "weights_cache": False}
+    on_, off_ = LLM(str(path), **kw), LLM(str(path), enable_prefix_caching=False, **kw)
+    shared = tokens(10, 70)
+    prompts = [shared + tokens(11 + i, 5 + 7 * i) for i in range(3)] + [shared]
+    p = greedy(12, logprobs=2)
+    got = [run(on_, [q], p)[0] for q in prompts]  # one at a time: each after the last one's blocks are cached
+    want = run(off_, prompts, p)
+    assert [g.num_cached_tokens for g in got] == [0, 64, 64, 64]
+    same_outputs(got, want)
