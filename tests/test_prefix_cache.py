@@ -340,3 +340,19 @@ def test_sliding_window_families_hit_and_keep_outputs(name, tmp_path):
     want = run(off_, prompts, p)
     assert [g.num_cached_tokens for g in got] == [0, 64, 64, 64]
     same_outputs(got, want)
+
+
+def test_bench_prefix_runs_on_a_small_checkpoint(tiny_dir, capsys):
+    from jlora.bench import run as bench
+
+    assert bench("prefix", ["--model", str(tiny_dir[0]), "--requests", "8", "--system-tokens", "64",
+                            "--user-tokens", "4,8", "--new-tokens", "4", "--max-model-len", "128",
+                            "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--adapters", "2"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out[: out.index("\n|")])
+    assert res["same_tokens"] and res["on"]["compiles_after_warmup"] == 0 == res["off"]["compiles_after_warmup"]
+    # 8 prompts of 68-72 tokens; with the cache each adapter computes the 64 shared tokens once.
+    assert res["off"]["prompt_tokens_computed"] == res["off"]["prompt_tokens"]
+    assert res["on"]["prompt_tokens_computed"] < res["off"]["prompt_tokens_computed"] / 2
+    assert res["on"]["prefix_cache_hits"] > 0 == res["off"]["prefix_cache_hits"]
+    assert "| prompt tokens computed |" in out

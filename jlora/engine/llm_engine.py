@@ -62,6 +62,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_blocks_cached: int = 0
+    prefill_tokens: int = 0  # tokens prefilled (prompts after their cached prefix, and recomputation)
 
 
 class LLMEngine:
@@ -111,7 +112,7 @@ class LLMEngine:
         queries, hits = (0, 0) if s.prefix_cache is None else (s.prefix_cache.queries, s.prefix_cache.hits)
         return EngineStats(len(s.running), len(s.waiting), total - s.kv.num_free, total, s.num_preemptions,
                            self.num_failed_steps, len(self.adapters.resident()), dict(self.adapters.stats),
-                           queries, hits, s.kv.num_cached_free)
+                           queries, hits, s.kv.num_cached_free, s.num_prefill_tokens)
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ class Scheduler:
         self.prefix_cache = PrefixCache() if config.enable_prefix_caching else None
         self.kv = BlockAllocator(config.num_kv_blocks, self.prefix_cache)
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt (and recomputed) tokens prefilled: what prefix caching saves
         # Requests of a step that raised, oldest first: each runs alone for one step, and the one that
         # fails alone is failed; the rest go back to batching.
         self._suspects: deque[str] = deque()
@@ -94,6 +95,7 @@ class Scheduler:
         that raised computed nothing), and a suspect that ran alone is cleared."""
         for s, _, n in plan.prefill:
             s.num_computed += n
+            self.num_prefill_tokens += n
             self._register(s, s.num_computed)
         for s in plan.decode:  # its last token's key and value went in with this step
             self._register(s, s.total_len)
