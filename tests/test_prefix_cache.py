@@ -356,3 +356,23 @@ def test_bench_prefix_runs_on_a_small_checkpoint(tiny_dir, capsys):
     assert res["on"]["prompt_tokens_computed"] < res["off"]["prompt_tokens_computed"] / 2
     assert res["on"]["prefix_cache_hits"] > 0 == res["off"]["prefix_cache_hits"]
     assert "| prompt tokens computed |" in out
+
+
+def test_no_enable_prefix_caching_flag_reaches_llm_from_generate_and_serve(monkeypatch):
+    from jlora import cli
+    from jlora.server.serve import engine_kwargs as serve_kwargs
+
+    seen: list = []
+
+    def make_llm(args, kwargs=None):
+        seen.append((kwargs or cli.engine_kwargs(args))["enable_prefix_caching"])
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "make_llm", make_llm)
+    for flags in ([], ["--no-enable-prefix-caching"], ["--enable-prefix-caching"]):
+        with pytest.raises(SystemExit):
+            cli.main(["generate", "hi", *flags])
+    assert seen == [True, False, True]
+    for flags, want in (([], True), (["--no-enable-prefix-caching"], False)):
+        kw = serve_kwargs(vars(cli.build_parser().parse_args(["serve", *flags])))
+        assert kw["enable_prefix_caching"] is want
