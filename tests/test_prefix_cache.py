@@ -376,3 +376,27 @@ def test_no_enable_prefix_caching_flag_reaches_llm_from_generate_and_serve(monke
     for flags, want in (([], True), (["--no-enable-prefix-caching"], False)):
         kw = serve_kwargs(vars(cli.build_parser().parse_args(["serve", *flags])))
         assert kw["enable_prefix_caching"] is want
+
+
+def test_eviction_is_least_recently_used_and_loses_nothing(tiny_dir, off):
+    """9 blocks of 16. A 33-token prompt leaves 2 cached blocks; a 97-token one needs 7 blocks,
+    so it evicts the least recently used cached prefix and keeps the one used since."""
+    tight = LLM(str(tiny_dir[0]), **{**ENGINE, "num_kv_blocks": 9})
+    p1, p2, p3 = tokens(20, 33), tokens(21, 33), tokens(22, 97)
+    one = greedy(1, logprobs=1)
+    assert [run(tight, [p], one)[0].num_cached_tokens for p in (p1, p2, p1)] == [0, 0, 32]
+    assert tight.engine.stats().kv_blocks_cached == 4
+    assert run(tight, [p3], one)[0].num_cached_tokens == 0  # took the free blocks, then p2's two
+    pc = tight.engine.scheduler.prefix_cache
+    assert pc.evictions == 2
+    got = [run(tight, [p], one)[0] for p in (p1, p2)]
+    assert [g.num_cached_tokens for g in got] == [32, 0]
+    same_outputs(got, [run(off, [p], one)[0] for p in (p1, p2)])
+    # Under pressure: six sequences sharing prefixes grow past the 9 blocks (preempted, recomputed).
+    prompts = [p3[:40 + 7 * i] for i in range(6)]
+    params = greedy(30, logprobs=1)
+    got = run(tight, prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in got] == [30] * 6
+    same_outputs(got, run(off, prompts, params))
+    assert tight.engine.num_preemptions > 0
+    assert tight.engine.kv.num_free == 9 and all(tight.engine.kv.refs(b) == 0 for b in range(9))
