@@ -400,3 +400,28 @@ def test_eviction_is_least_recently_used_and_loses_nothing(tiny_dir, off):
     same_outputs(got, run(off, prompts, params))
     assert tight.engine.num_preemptions > 0
     assert tight.engine.kv.num_free == 9 and all(tight.engine.kv.refs(b) == 0 for b in range(9))
+
+
+def test_a_lost_kv_cache_forgets_every_cached_prefix(on, off, monkeypatch):
+    """A failed step that took the donated KV cache with it leaves zeros where the cached blocks
+    were: the prefix cache must forget them (a hit now would read zeros)."""
+    eng = on.engine
+    prompt = tokens(30, 50)
+    want = run(off, [prompt], greedy(6))[0].outputs[0].token_ids
+    assert run(on, [prompt], greedy(6))[0].outputs[0].token_ids == want
+    real, failed = eng.runner.step, []
+
+    def step(batch):
+        if not failed:
+            failed.append(True)
+            for x in eng.runner.cache.values():
+                x.delete()
+            raise RuntimeError("injected device failure")
+        return real(batch)
+
+    monkeypatch.setattr(eng.runner, "step", step)
+    other = run(on, [tokens(31, 20)], greedy(3))[0]  # fails alone, is failed
+    assert other.outputs[0].finish_reason == "error" and failed
+    assert eng.stats().kv_blocks_cached == 0
+    again = run(on, [prompt], greedy(6))[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == want
