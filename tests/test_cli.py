@@ -196,7 +196,7 @@ def test_bench_dispatch_reaches_each_benchmark(monkeypatch, argv, module, rest):
 
     assert sorted(jlora.bench.BENCHMARKS.values()) == sorted(
         ["workload", "start", "kernels", "serve", "adapters", "lora_cost", "decode_step", "adapter_load",
-         "parallel", "prefix"])
+         "parallel", "tpu", "prefix"])
     seen = []
     for name in jlora.bench.BENCHMARKS.values():
         mod = importlib.import_module(f"jlora.bench.{name}")
