@@ -250,25 +250,42 @@ def shared_prefix_jobs(rng: np.random.Generator, ref, loras: list, n_jobs: int) 
 
 @pytest.fixture(scope="module")
 def small(tiny_dir):
-    """Cache on and off over a 12-block KV cache, and the reference generator."""
+    """Cache on (steps one at a time, and async: the next decode step launched before this one's
+    tokens reach the host) and off over a 12-block KV cache, and the reference generator."""
     from reference import ReferenceGenerator
 
-    on_, off_ = LLM(str(tiny_dir[0]), **SMALL), LLM(str(tiny_dir[0]), enable_prefix_caching=False, **SMALL)
+    engines = {"sync": LLM(str(tiny_dir[0]), async_scheduling=False, **SMALL),
+               "async": LLM(str(tiny_dir[0]), async_scheduling=True, **SMALL),
+               "off": LLM(str(tiny_dir[0]), enable_prefix_caching=False, async_scheduling=False, **SMALL)}
+    on_ = engines["sync"]
     ref = ReferenceGenerator(on_.model, on_.tokenizer, SMALL["max_model_len"], on_.engine.eos_token_id,
                              SMALL["max_lora_rank"])
-    return on_, off_, ref
+    return engines, ref
 
 
 @pytest.mark.parametrize("seed", range(ROUNDS))
-def test_randomized_shared_prefixes_equal_cache_off_and_reference(small, tiny_adapters, seed):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_randomized_shared_prefixes_equal_cache_off_and_reference(small, tiny_adapters, mode, seed):
     from test_exactness import check_sample, drive
 
-    small_on, small_off, ref = small
+    engines, ref = small
+    small_on, small_off = engines[mode], engines["off"]
     loras = [None] + [LoRARequest(f"r{i}", 900 + i, str(tiny_adapters[i])) for i in (1, 2, 3)]
     jobs = shared_prefix_jobs(np.random.default_rng(seed), ref, loras, n_jobs=20)
     compiles, hits = compile_stats.compile_count(), small_on.engine.stats().prefix_cache_hits
     evictions, preemptions = small_on.engine.scheduler.prefix_cache.evictions, small_on.engine.num_preemptions
-    got_on, streams = drive(small_on.engine, jobs)
+    launched, ahead = small_on.engine.runner.launch, []
+
+    def launch(batch, prev=None):  # async: count the steps launched before their tokens were read
+        ahead.append(prev is not None and bool((batch["prev_rows"] >= 0).any()))
+        return launched(batch, prev=prev)
+
+    small_on.engine.runner.launch = launch
+    try:
+        got_on, streams = drive(small_on.engine, jobs)
+    finally:
+        small_on.engine.runner.launch = launched
+    assert (sum(ahead) > 0) == (mode == "async"), f"{sum(ahead)} of {len(ahead)} steps launched ahead"
     got_off, _ = drive(small_off.engine, jobs)
     assert compile_stats.compile_count() == compiles, "prefix caching compiled a graph"
     assert small_on.engine.stats().prefix_cache_hits > hits, "the workload should hit"
@@ -424,4 +441,37 @@ def test_a_lost_kv_cache_forgets_every_cached_prefix(on, off, monkeypatch):
     assert other.outputs[0].finish_reason == "error" and failed
     assert eng.stats().kv_blocks_cached == 0
     again = run(on, [prompt], greedy(6))[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == want
+
+
+def test_async_drain_that_loses_the_cache_forgets_cached_prefixes(small, monkeypatch):
+    """Async scheduling: a step launched ahead that fails after its sequences finished (drained)
+    and takes the KV cache with it must take the cached prefixes too."""
+    engines, _ = small
+    llm = engines["async"]
+    eng = llm.engine
+    prompt = tokens(40, 50)
+    want = run(engines["off"], [prompt], greedy(12))[0].outputs[0].token_ids
+    run(llm, [prompt], greedy(12))
+    assert eng.stats().kv_blocks_cached > 0
+    other = tokens(41, 20)
+    free = run(engines["off"], [other], greedy(30))[0].outputs[0].token_ids
+    stop = next(t for i, t in enumerate(free) if i >= 4 and t not in free[:i])  # ends it while a step is ahead
+    real_collect, real_drain, drained = eng.runner.collect, eng._drain, []
+
+    def collect(handle):
+        if drained:
+            for x in eng.runner.cache.values():
+                x.delete()
+            raise RuntimeError("injected failure of a drained step")
+        return real_collect(handle)
+
+    monkeypatch.setattr(eng.runner, "collect", collect)
+    monkeypatch.setattr(eng, "_drain", lambda: drained.append(1) or real_drain())
+    out = run(llm, [other], greedy(30, stop_token_ids=[stop]))[0]
+    monkeypatch.setattr(eng.runner, "collect", real_collect)
+    assert out.outputs[0].finish_reason == "stop"
+    assert drained, "no step was drained"
+    assert eng.stats().kv_blocks_cached == 0
+    again = run(llm, [prompt], greedy(12))[0]
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == want

@@ -371,7 +371,8 @@ class LLMEngine:
             self.runner.collect(handle)
         except Exception as e:  # nothing of it is used; a lost cache is rebuilt for whoever comes next
             log.warning("a step launched ahead failed after its sequences finished: %s", e)
-            self.runner.reset_cache_if_lost()
+            if self.runner.reset_cache_if_lost():
+                self.scheduler.kv.drop_cache()  # the cached prefixes went with it
 
     def _process(self, out: dict[str, Any], sampled: list[Sequence], touched: dict[str, Request]) -> None:
         now = time.time()
