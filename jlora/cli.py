@@ -64,6 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="engine replicas (each on its own tensor-parallel devices), requests balanced over them")
     p.add_argument("--token-buckets", default=None,
                    help="comma-separated prefill chunk buckets (default: derived from the sizes)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d["enable_prefix_caching"],
+                   help="reuse the KV blocks of prompt prefixes computed before under the same adapter version")
     p.add_argument("--lazy", action="store_true",
                    help="compile each graph on first use instead of all at start-up (faster for a one-off call)")
     p.add_argument("--no-weights-cache", action="store_true",
@@ -101,7 +104,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   attn_impl=getattr(args, "attn_impl", "auto"),
                   async_scheduling=getattr(args, "async_scheduling", None),
                   token_buckets=_buckets(args.token_buckets, "--token-buckets"),
-                  lora_slot_ranks=_buckets(getattr(args, "lora_slot_ranks", None), "--lora-slot-ranks"))
+                  lora_slot_ranks=_buckets(getattr(args, "lora_slot_ranks", None), "--lora-slot-ranks"),
+                  enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
     engine_config(**{k: v for k, v in kwargs.items() if k != "quantization"})  # ValueError naming the field
     for flag in ("tensor_parallel_size", "data_parallel_size"):
         value = getattr(args, flag, 1)

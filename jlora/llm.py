@@ -95,6 +95,7 @@ class LLM:
         max_n: int = ENGINE_DEFAULTS["max_n"],
         max_waiting_seqs: int | None = ENGINE_DEFAULTS["max_waiting_seqs"],
         num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = ENGINE_DEFAULTS["enable_prefix_caching"],
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         warmup: bool = True,
@@ -122,7 +123,7 @@ class LLM:
             attn_chunk=attn_chunk, attn_impl=attn_impl, async_scheduling=async_scheduling, block_size=block_size, scheduling_policy=scheduling_policy,
             decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
             max_overtakes=max_overtakes, max_n=max_n, max_waiting_seqs=max_waiting_seqs,
-            num_kv_blocks=num_kv_blocks)
+            num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching)
         path = resolve_model_path(model)  # a missing model path fails here, before anything is read
         self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
         device_groups = parallel_devices(path, tensor_parallel_size, data_parallel_size)

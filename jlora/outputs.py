@@ -49,3 +49,6 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token, its logprob and the top-n there
     # (None for the first token, which has no context), as vLLM's RequestOutput.prompt_logprobs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Prompt tokens whose keys and values came from the prefix cache (the first sample's first
+    # admission; None before it is admitted), as vLLM's RequestOutput.num_cached_tokens.
+    num_cached_tokens: int | None = None

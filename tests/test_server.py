@@ -639,3 +639,23 @@ def test_usage_counts_the_eos_or_stop_token_that_ended_a_sample():
             CompletionOutput(2, "ab", [5, 6], "stop", "b")]  # EOS only; a stop token; a stop string
     fmt.whole({0: Update(0, ["", "", ""], RequestOutput("r", "x", [1, 2], outs, True), True)})
     assert fmt.usage() == {"prompt_tokens": 2, "completion_tokens": 1 + 3 + 2, "total_tokens": 8}
+
+
+def test_prefix_cache_metrics(live):
+    """The same long prompt twice under one adapter: the second reads its prefix from the cache,
+    and /metrics counts the tokens looked up and found (vLLM's prefix_cache_queries / _hits)."""
+    client = live.client()
+    prompt = "prefix caching metrics " + " ".join(f"w{i}" for i in range(40))
+    n = len(live.llm.tokenizer.encode(prompt, add_special_tokens=True))
+    names = ["jlora_prefix_cache_queries_total", "jlora_prefix_cache_hits_total"]
+    _wait_idle(live)
+    before = {c: _metric(live, c) for c in names}
+    texts = [client.completions.create(model="a4", prompt=prompt, max_tokens=4, temperature=0.0,
+                                       extra_body={"ignore_eos": True}).choices[0].text for _ in range(2)]
+    assert texts[0] == texts[1]
+    want = {names[0]: 2 * n, names[1]: (n - 1) // 16 * 16}
+    deadline = time.monotonic() + 10
+    while (got := {c: _metric(live, c) - before[c] for c in names}) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert got == want
+    assert "\njlora_kv_blocks_cached" in live.http().get("/metrics").text

@@ -70,6 +70,9 @@ class EngineConfig:
     # Sequences waiting for admission; past it add_request raises QueueFullError. None: unbounded
     # (an offline LLM.generate queues its whole list); the server sets a bound.
     max_waiting_seqs: int | None = None
+    # Reuse the KV blocks of prompt prefixes already computed under the same adapter version
+    # (jlora.engine.prefix_cache); changes block tables only, never a graph.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None and isinstance(self.max_loras, int):
@@ -94,6 +97,8 @@ class EngineConfig:
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < self.max_n):
             raise ValueError(f"EngineConfig.max_waiting_seqs must be None or an int >= max_n={self.max_n} "
                              f"(one request of n samples must fit), got {w!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"EngineConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.max_overtakes, int) or self.max_overtakes < 0:
             raise ValueError(f"EngineConfig.max_overtakes must be an int >= 0, got {self.max_overtakes!r}")
         ranks = self.lora_slot_ranks

@@ -1,9 +1,10 @@
 """Data parallelism: d engine replicas (each its own devices, KV cache and adapter slots) behind
 one front end with the LLMEngine interface, so `LLM` and the server use it unchanged.
 
-A request goes to the replica that already holds its adapter in a slot (no slot write, no
-eviction elsewhere) unless that replica is a full batch busier than the least loaded one; else to
-the least loaded replica. An adapter is converted once: the first replica's manager prepares it
+A request goes, among the replicas less than a full batch busier than the least loaded one, to
+the one holding the longest prefix of its prompt under its adapter version (cached, being
+computed, or routed there and still queued: `jlora.engine.prefix_cache`), then to one holding
+its adapter in a slot (no slot write, no eviction elsewhere), then to the least loaded. An adapter is converted once: the first replica's manager prepares it
 and the others adopt the same handle (`ReplicatedAdapters`). Each step runs every busy replica's
 step at once (threads: their device work and transfers overlap; the Python parts take turns).
 """
@@ -14,11 +15,13 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+from collections import OrderedDict
 from typing import Any, Sequence
 
 from jlora.adapters.manager import AdapterHandle, AdapterManager
 from jlora.adapters.request import LoRARequest
 from jlora.engine.llm_engine import EngineStats, LLMEngine
+from jlora.engine.prefix_cache import extend_hashes, root_hash
 from jlora.outputs import RequestOutput
 
 
@@ -76,6 +79,9 @@ class ReplicatedAdapters:
         return {(r, slot): name for r, m in enumerate(self.managers) for slot, name in m.resident().items()}
 
 
+ROUTED_HASHES = 1 << 16  # block hashes of recently routed prompts remembered for routing (LRU)
+
+
 class DataParallelEngine:
     """d LLMEngines, one per device group, as one engine (`LLMEngine`'s interface)."""
 
@@ -89,6 +95,9 @@ class DataParallelEngine:
         self._owner: dict[str, LLMEngine] = {}  # request id -> its replica
         self._ids = itertools.count()
         self._pool = concurrent.futures.ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jlora-dp")
+        # block hash -> replica its prompt went to: a burst of requests sharing a prefix follows the
+        # first one before any of them is admitted (and its blocks claimed) there.
+        self._routed: OrderedDict[bytes, int] = OrderedDict()
 
     @property
     def runner(self):  # the first replica's (its config and shapes are every replica's)
@@ -118,15 +127,37 @@ class DataParallelEngine:
     def _load(self, eng: LLMEngine) -> int:
         return len(eng.running) + len(eng.waiting)
 
-    def _route(self, handle: AdapterHandle | None) -> LLMEngine:
-        least = min(self.replicas, key=self._load)
-        if handle is not None:
-            holders = [r for r in self.replicas if r.adapters.slot_of(handle.name) is not None]
-            if holders:
-                best = min(holders, key=self._load)
-                if self._load(best) - self._load(least) < self.config.max_num_seqs:
-                    return best
-        return least
+    def _prefix_hashes(self, ids: list[int], handle: AdapterHandle | None) -> list[bytes]:
+        if not self.config.enable_prefix_caching or any(not 0 <= t < self.runner.cfg.vocab_size for t in ids):
+            return []  # bad ids: the replica's add_request says what is wrong
+        out: list[bytes] = []
+        bs = self.config.block_size
+        extend_hashes(out, root_hash(None if handle is None else handle.version), ids, bs, (len(ids) - 1) // bs)
+        return out
+
+    def _prefix_held(self, i: int, hashes: list[bytes]) -> int:
+        """Leading blocks of `hashes` replica i holds: cached or claimed there, or routed there."""
+        routed = 0
+        while routed < len(hashes) and self._routed.get(hashes[routed]) == i:
+            routed += 1
+        return max(routed, self.replicas[i].scheduler.prefix_blocks(hashes))
+
+    def _route(self, handle: AdapterHandle | None, hashes: list[bytes] = ()) -> LLMEngine:
+        least = min(self._load(r) for r in self.replicas)
+        fits = [i for i, r in enumerate(self.replicas) if self._load(r) - least < self.config.max_num_seqs]
+
+        def key(i: int) -> tuple[int, bool, int]:
+            r = self.replicas[i]
+            resident = handle is not None and r.adapters.slot_of(handle.name) is not None
+            return (self._prefix_held(i, hashes) if hashes else 0), resident, -self._load(r)
+
+        best = max(fits, key=key)  # ties: the first replica
+        for h in hashes:
+            self._routed[h] = best
+            self._routed.move_to_end(h)
+        while len(self._routed) > ROUTED_HASHES:
+            self._routed.popitem(last=False)
+        return self.replicas[best]
 
     def add_request(self, prompt: Any, params: Any = None, lora_request: LoRARequest | None = None,
                     request_id: str | None = None, lora_handle: AdapterHandle | None = None) -> str:
@@ -136,7 +167,12 @@ class DataParallelEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        eng = self._route(lora_handle)
+        hashes: list[bytes] = []
+        if self.config.enable_prefix_caching:  # tokenized once here, to route by the prompt's blocks
+            text, ids = self.replicas[0]._tokenize(prompt)
+            prompt = {"prompt_token_ids": ids, "prompt": text}
+            hashes = self._prefix_hashes(ids, lora_handle)
+        eng = self._route(lora_handle, hashes)
         eng.add_request(prompt, params, lora_request, request_id=request_id, lora_handle=lora_handle)
         self._owner[request_id] = eng
         return request_id

@@ -57,6 +57,12 @@ class EngineStats:
     num_failed_steps: int  # device steps that raised (their requests were retried one by one)
     lora_resident: int  # adapters in device slots
     lora: dict[str, int]  # the adapter manager's counters (slot_hits, disk_loads, host_hits, ...)
+    # Prefix caching (vLLM's prefix_cache_queries / prefix_cache_hits): prompt tokens looked up at
+    # admission and, of them, found computed; cached blocks no sequence uses (free, kept until evicted).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_cached: int = 0
+    prefill_tokens: int = 0  # tokens prefilled (prompts after their cached prefix, and recomputation)
 
 
 class LLMEngine:
@@ -103,8 +109,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, total = self.scheduler, self.config.num_kv_blocks
+        queries, hits = (0, 0) if s.prefix_cache is None else (s.prefix_cache.queries, s.prefix_cache.hits)
         return EngineStats(len(s.running), len(s.waiting), total - s.kv.num_free, total, s.num_preemptions,
-                           self.num_failed_steps, len(self.adapters.resident()), dict(self.adapters.stats))
+                           self.num_failed_steps, len(self.adapters.resident()), dict(self.adapters.stats),
+                           queries, hits, s.kv.num_cached_free, s.num_prefill_tokens)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -363,7 +371,8 @@ class LLMEngine:
             self.runner.collect(handle)
         except Exception as e:  # nothing of it is used; a lost cache is rebuilt for whoever comes next
             log.warning("a step launched ahead failed after its sequences finished: %s", e)
-            self.runner.reset_cache_if_lost()
+            if self.runner.reset_cache_if_lost():
+                self.scheduler.kv.drop_cache()  # the cached prefixes went with it
 
     def _process(self, out: dict[str, Any], sampled: list[Sequence], touched: dict[str, Request]) -> None:
         now = time.time()

@@ -5,7 +5,11 @@ It owns the waiting queue, the running list and the block allocator, and hands t
 (the runner turns a plan into arrays); adapter slots it only assigns, through the manager, whose
 queued slot writes ride in the plan (`StepPlan.slot_writes`) for the runner to apply.
 
-Admission, preemption and the prefill shape choice are as `docs/engine.md` describes. When a
+Admission, preemption and the prefill shape choice are as `docs/engine.md` describes. With prefix
+caching (`jlora.engine.prefix_cache`) a sequence is admitted with the cached blocks of its longest
+computed prefix under its own adapter version, and its prefill starts after them; the block of
+its last token is always its own (computed for its logits, never shared, so no sequence ever
+writes into a shared block). Computed full blocks are registered when their step commits. When a
 device step raises, the scheduler keeps its requests under suspicion and runs them one at a
 time (`step_failed`, `_schedulable`), so one request that breaks the step is found and failed
 alone while the others keep their tokens.
@@ -21,6 +25,7 @@ from typing import Callable
 from jlora.adapters.manager import AdapterManager, NoFreeSlotError, SlotWrite
 from jlora.engine.blocks import BlockAllocator
 from jlora.engine.config import EngineConfig, bucket_for
+from jlora.engine.prefix_cache import PrefixCache, extend_hashes, root_hash
 from jlora.engine.sequence import Sequence, SeqState
 
 STEP_COST_TOKENS = 64  # a step's weight pass costs about as much as this many tokens' compute (SmolLM2, 2 cores)
@@ -53,8 +58,10 @@ class Scheduler:
         self.adapters = adapters
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.kv = BlockAllocator(config.num_kv_blocks)
+        self.prefix_cache = PrefixCache() if config.enable_prefix_caching else None
+        self.kv = BlockAllocator(config.num_kv_blocks, self.prefix_cache)
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt (and recomputed) tokens prefilled: what prefix caching saves
         # Requests of a step that raised, oldest first: each runs alone for one step, and the one that
         # fails alone is failed; the rest go back to batching.
         self._suspects: deque[str] = deque()
@@ -88,6 +95,10 @@ class Scheduler:
         that raised computed nothing), and a suspect that ran alone is cleared."""
         for s, _, n in plan.prefill:
             s.num_computed += n
+            self.num_prefill_tokens += n
+            self._register(s, s.num_computed)
+        for s in plan.decode:  # its last token's key and value went in with this step
+            self._register(s, s.total_len)
         if self._suspects and plan.request_ids == [self._suspects[0]]:
             self._suspects.popleft()
 
@@ -102,6 +113,7 @@ class Scheduler:
         if cache_lost:
             for seq in list(reversed(self.running)):  # latest first, so the queue keeps FIFO order
                 self.preempt(seq)
+            self.kv.drop_cache()  # the cached prefixes went with the cache
         ids = plan.request_ids
         if len(ids) == 1:
             if self._suspects and self._suspects[0] == ids[0]:
@@ -157,8 +169,12 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and len(self.running) < c.max_num_seqs:
             seq = self.waiting[i]
-            need = c.blocks_for(seq.total_len)
-            if need > self.kv.num_free:
+            hits, pending = self._cached_prefix(seq)
+            if pending:  # a running sequence is computing its next blocks: wait for them, not compute them twice
+                i += 1
+                continue
+            need = c.blocks_for(seq.total_len) - len(hits)
+            if need + self.kv.num_parked_among(hits) > self.kv.num_free:
                 return
             if seq.lora is not None:
                 try:
@@ -171,9 +187,67 @@ class Scheduler:
             del self.waiting[i]
             for passed in itertools.islice(self.waiting, i):
                 passed.num_overtaken += 1
-            seq.blocks = self.kv.allocate(need)
+            seq.blocks = self.kv.share(hits) + self.kv.allocate(need)  # shared first: allocate may evict parked ones
+            seq.num_cached_blocks = len(hits)
+            seq.num_computed = len(hits) * c.block_size
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed
+            if self._cacheable(seq):
+                self._count_lookup(seq)
+                self.prefix_cache.claim(self._hashes(seq, seq.total_len // c.block_size)[len(hits):], seq)
             seq.state = SeqState.PREFILL
             self.running.append(seq)
+
+    # ---- prefix caching ---------------------------------------------------------------------------
+
+    def _cacheable(self, seq: Sequence) -> bool:
+        # A sequence with an adapter but no handle has no version to key its blocks by.
+        return self.prefix_cache is not None and (seq.lora is None or seq.lora_handle is not None)
+
+    def _hashes(self, seq: Sequence, n_blocks: int) -> list[bytes]:
+        """The chain hashes of `seq`'s first `n_blocks` full blocks (extended as it grows; tokens never change)."""
+        if len(seq.block_hashes) < n_blocks:
+            root = b"" if seq.block_hashes else root_hash(seq.lora_handle.version if seq.lora is not None else None)
+            extend_hashes(seq.block_hashes, root, seq.all_ids, self.config.block_size, n_blocks)
+        return seq.block_hashes[:n_blocks]
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], bool]:
+        """The cached blocks `seq` may start from, and whether its next block is being computed by
+        a running sequence. prompt_logprobs requests skip the cache (as vLLM's): they need the
+        logits at every prompt position."""
+        if not self._cacheable(seq) or seq.params.prompt_logprobs is not None:
+            return [], False
+        cap = (seq.total_len - 1) // self.config.block_size  # the last token's block is computed, never shared
+        hashes = self._hashes(seq, cap)
+        hits = self.prefix_cache.lookup(hashes)
+        return hits, len(hits) < cap and self.prefix_cache.claimed(hashes[len(hits)])
+
+    def _count_lookup(self, seq: Sequence) -> None:
+        """vLLM's prefix_cache_queries / prefix_cache_hits, in tokens, once per admission."""
+        if seq.params.prompt_logprobs is None:
+            self.prefix_cache.queries += seq.total_len
+            self.prefix_cache.hits += seq.num_computed
+
+    def _register(self, seq: Sequence, computed: int) -> None:
+        """`seq`'s first `computed` tokens are in the KV cache: its full blocks among them are cached."""
+        full = computed // self.config.block_size
+        if full <= seq.num_cached_blocks or not self._cacheable(seq):
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(seq.num_cached_blocks, full):
+            self.prefix_cache.register(hashes[i], seq.blocks[i])
+        seq.num_cached_blocks = full
+
+    def prefix_blocks(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of `hashes` are cached or being computed here (data-parallel routing)."""
+        if self.prefix_cache is None:
+            return 0
+        n = len(self.prefix_cache.lookup(hashes))
+        while n < len(hashes) and self.prefix_cache.claimed(hashes[n]):
+            n += 1
+        return n
+
+    # ---- decode blocks -----------------------------------------------------------------------------
 
     def _reserve_decode_blocks(self) -> None:
         """Every decoding sequence needs a block for the position it writes next. When none is
@@ -218,8 +292,11 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.free(seq.blocks)
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_claims(seq.block_hashes, seq)
+        self.kv.free(seq.blocks)  # cached ones stay in the prefix cache until evicted
         seq.blocks = []
+        seq.num_cached_blocks = 0
         if seq.slot >= 0:
             self.adapters.release(seq.slot)
             seq.slot = -1

@@ -33,6 +33,12 @@ class Sequence:
     blocks: list[int] = dataclasses.field(default_factory=list)  # KV cache blocks, in position order
     slot: int = -1  # adapter slot, -1 = base model
     num_computed: int = 0  # tokens already in the KV cache
+    # Prefix caching (jlora.engine.prefix_cache): the chain hashes of this sequence's full blocks
+    # (computed as needed), how many of `blocks` are registered in the cache (shared or computed
+    # here), and the prompt tokens found cached at its first admission (RequestOutput.num_cached_tokens).
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int | None = None
     num_preemptions: int = 0
     num_overtaken: int = 0  # later sequences admitted while this one waited for an adapter slot
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -87,4 +93,4 @@ class Request:
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
                              [s.to_output() for s in self.seqs], self.finished, self.metrics,
                              self.lora.lora_name if self.lora else None, self.error,
-                             None if pl is None else list(pl))
+                             None if pl is None else list(pl), self.seqs[0].num_cached_tokens)

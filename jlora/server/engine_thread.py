@@ -257,5 +257,8 @@ class EngineThread:
             "lora_slot_writes": st.lora.get("slot_writes", 0),
             "lora_evictions": st.lora.get("evictions", 0),
             "preemptions": st.num_preemptions,
+            "prefix_cache_queries": st.prefix_cache_queries,
+            "prefix_cache_hits": st.prefix_cache_hits,
+            "kv_blocks_cached": st.kv_blocks_cached,
             "compiles_after_warmup": self.compiles_after_start,
         })

@@ -31,6 +31,12 @@ _ENGINE_METRICS = {
     "lora_slot_writes": ("jlora_lora_slot_writes", "counter", "Adapter writes into a device slot."),
     "lora_evictions": ("jlora_lora_evictions", "counter", "Resident adapters evicted from a device slot."),
     "preemptions": ("jlora_num_preemptions", "counter", "Sequences preempted (recomputed later) for lack of KV blocks."),
+    "prefix_cache_queries": ("jlora_prefix_cache_queries", "counter",
+                             "Prompt tokens looked up in the prefix cache at admission (vLLM's prefix_cache_queries)."),
+    "prefix_cache_hits": ("jlora_prefix_cache_hits", "counter",
+                          "Of them, tokens whose KV blocks were cached under the same adapter version "
+                          "(vLLM's prefix_cache_hits)."),
+    "kv_blocks_cached": ("jlora_kv_blocks_cached", "gauge", "Free KV blocks still holding a cached prefix (evicted LRU)."),
     "compiles_after_warmup": ("jlora_xla_compiles_after_warmup", "counter", "XLA compilations since the server finished warm-up (should stay 0)."),
 }
 

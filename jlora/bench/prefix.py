@@ -1,0 +1,138 @@
+"""Prefix caching on a shared system prompt: the same workload with the cache on and off.
+
+The workload (issue 35): `--requests` requests (64) share one `--system-tokens`-token system
+prompt (1,024) followed by a short distinct user turn (`--user-tokens`, 16-32 tokens), over
+`--adapters` PEFT adapters (4, random, rank `--lora-rank` on every linear layer) round robin, each
+generating `--new-tokens` (64) greedy tokens with EOS ignored, all queued at once. Prompts are
+random token ids, so any checkpoint serves (a random-weight one included). Each mode gets a fresh
+engine (the first is freed before the second is built), warmed up, its adapters in their slots,
+and its cache cold: the warm-up prompts share nothing with the timed ones.
+
+Reported per mode: prompt tokens computed (prefill tokens, recomputation included), prefix cache
+queries and hits, TTFT p50/p99 (from queueing to the first token), generated tok/s over the
+whole run, wall seconds, step graphs and compiles during the timed run; then the on/off ratios.
+
+    jlora bench prefix [--model PATH] [--dtype float32] [--requests 64] [--system-tokens 1024]
+                       [--new-tokens 64] [--max-num-seqs 16] [--max-model-len 2048] ...
+
+A CPU run at smaller sizes, e.g. `--requests 32 --system-tokens 512 --new-tokens 32`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jlora.bench.peft_adapters import ALL_LINEAR, write_peft_adapter
+
+
+def workload(vocab: int, args: argparse.Namespace, seed: int) -> list[list[int]]:
+    """Prompts: one shared system prompt, then a distinct user turn each (random ids above the specials)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(3, vocab, args.system_tokens).tolist()
+    lo, hi = args.user_tokens
+    return [system + rng.integers(3, vocab, int(rng.integers(lo, hi + 1))).tolist() for _ in range(args.requests)]
+
+
+def run_mode(enabled: bool, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    from jlora import LLM, LoRARequest, SamplingParams, compile_stats
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_loras=max(args.adapters, 1),
+              max_lora_rank=args.lora_rank, num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=enabled,
+              progress=False)
+    cfg = llm.engine.adapters.model_cfg
+    paths = sorted(root.glob("prefix*"))
+    if not paths:
+        paths = [write_peft_adapter(root / f"prefix{i}", cfg, args.lora_rank, ALL_LINEAR, np.random.default_rng(i))
+                 for i in range(args.adapters)]
+    loras = [LoRARequest(p.name, i + 1, str(p)) for i, p in enumerate(paths)] or [None]
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    prompts = workload(cfg.vocab_size, args, seed=0)
+    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
+    # Warm-up: adapters converted and in their slots, every graph run; other tokens, so the cache starts cold.
+    warm = workload(cfg.vocab_size, argparse.Namespace(**{**vars(args), "requests": len(loras)}), seed=1)
+    llm.generate([{"prompt_token_ids": p} for p in warm], params, loras, use_tqdm=False)
+    before, compiles = llm.engine.stats(), compile_stats.compile_count()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, per_prompt, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = llm.engine.stats()
+    ttft = np.array([o.metrics.time_to_first_token for o in outs])
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "prompt_tokens_computed": after.prefill_tokens - before.prefill_tokens,
+        "prefix_cache_queries": after.prefix_cache_queries - before.prefix_cache_queries,
+        "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
+        "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "tok_s": generated / wall, "wall_s": wall, "generated_tokens": generated,
+        "preemptions": after.num_preemptions - before.num_preemptions,
+        "step_graphs": llm.config.num_step_graphs,
+        "compiles_after_warmup": compile_stats.compile_count() - compiles,
+        "tokens": [o.outputs[0].token_ids for o in outs],
+    }
+    del llm, outs
+    gc.collect()
+    return result
+
+
+def table(res: dict[str, dict[str, Any]]) -> str:
+    rows = [("prompt tokens computed", "prompt_tokens_computed", "{:,}"), ("prefix cache hits (tokens)",
+            "prefix_cache_hits", "{:,}"), ("TTFT p50 (s)", "ttft_p50_s", "{:.2f}"), ("TTFT p99 (s)", "ttft_p99_s",
+            "{:.2f}"), ("generated tok/s", "tok_s", "{:.1f}"), ("wall (s)", "wall_s", "{:.1f}"),
+            ("step graphs", "step_graphs", "{}"), ("compiles after warm-up", "compiles_after_warmup", "{}")]
+    modes = list(res)
+    out = ["| | " + " | ".join(f"cache {m}" for m in modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    out += [f"| {label} | " + " | ".join(fmt.format(res[m][key]) for m in modes) + " |" for label, key, fmt in rows]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="jlora bench prefix", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--user-tokens", default="16,32", help="lo,hi: each user turn's length")
+    p.add_argument("--adapters", type=int, default=4, help="adapters round robin (0: base model only)")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--modes", default="off,on", help="comma-separated: on, off (each a fresh engine, in this order)")
+    args = p.parse_args(argv)
+    args.user_tokens = tuple(int(x) for x in args.user_tokens.split(","))
+    modes = args.modes.split(",")
+    if not set(modes) <= {"on", "off"} or len(args.user_tokens) != 2:
+        p.error("--modes takes on/off; --user-tokens takes lo,hi")
+    if args.system_tokens + args.user_tokens[1] + args.new_tokens > args.max_model_len:
+        p.error("--system-tokens + the longest user turn + --new-tokens exceed --max-model-len")
+    root = Path(tempfile.mkdtemp(prefix="jlora-prefix-"))
+    res = {m: run_mode(m == "on", args, root) for m in modes}
+    tokens = {m: res[m].pop("tokens") for m in modes}
+    out: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}, **res}
+    if {"on", "off"} <= set(modes):
+        on, off = res["on"], res["off"]
+        out["same_tokens"] = tokens["on"] == tokens["off"]
+        out["ratios"] = {
+            "prompt_tokens_computed_drop": 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"],
+            "ttft_p50_speedup": off["ttft_p50_s"] / on["ttft_p50_s"],
+            "ttft_p99_speedup": off["ttft_p99_s"] / on["ttft_p99_s"],
+            "tok_s_speedup": on["tok_s"] / off["tok_s"]}
+    print(json.dumps(out, indent=1))
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
