@@ -112,6 +112,7 @@ def test_lowers_for_tpu(shape):
     assert "tpu_custom_call" in exp.mlir_module()
 
 
+@pytest.mark.slow  # the interpreted kernel inside every step graph: ~100 s
 def test_engine_with_the_kernel_equals_the_xla_loop(tiny_dir, tiny_adapters):
     """The whole serving step with attn_impl="pallas" (interpreted here) against attn_impl="xla":
     the same greedy tokens for mixed adapters, prefill chunks and decode. Refusals named."""

@@ -163,6 +163,16 @@ def check_sample(got, exp, aborted: bool, tok) -> None:
 
 
 @pytest.mark.slow  # randomized workloads, ~25 s a round
+def check_jobs(jobs: list[Job], outputs: dict, streams: dict, tok) -> None:
+    """Every job's samples against the reference, and its streams joined to the final text."""
+    for j in jobs:
+        out = outputs[j.rid]
+        assert len(out.outputs) == j.params.n
+        for got, exp, streamed in zip(out.outputs, j.expected, streams[j.rid]):
+            assert streamed == got.text, f"{j.rid}: the stream does not join to the final text"
+            check_sample(got, exp, j.abort_after is not None, tok)
+
+
 @pytest.mark.parametrize("seed", range(ROUNDS))
 def test_randomized_workload_equals_reference(llm, ref, tiny_adapters, seed):
     rng = np.random.default_rng(seed)
@@ -173,12 +183,7 @@ def test_randomized_workload_equals_reference(llm, ref, tiny_adapters, seed):
     assert compile_stats.compile_count() == compiles, "the engine compiled after warm-up"
     assert eng.num_preemptions > preemptions, "the workload should force preemption"
     assert eng.kv.num_free == eng.config.num_kv_blocks and not eng.has_unfinished()
-    for j in jobs:
-        out = outputs[j.rid]
-        assert len(out.outputs) == j.params.n
-        for got, exp, streamed in zip(out.outputs, j.expected, streams[j.rid]):
-            assert streamed == got.text, f"{j.rid}: the stream does not join to the final text"
-            check_sample(got, exp, j.abort_after is not None, llm.tokenizer)
+    check_jobs(jobs, outputs, streams, llm.tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +191,7 @@ def llm_async(tiny_dir):
     return LLM(str(tiny_dir[0]), progress=False, async_scheduling=True, **ENGINE)
 
 
+@pytest.mark.slow  # randomized workloads, ~25 s a round
 @pytest.mark.parametrize("seed", range(ROUNDS))
 def test_async_scheduling_equals_reference(llm_async, ref, tiny_adapters, seed):
     """The same randomized workloads with the next step launched before this one's tokens are
@@ -211,12 +217,7 @@ def test_async_scheduling_equals_reference(llm_async, ref, tiny_adapters, seed):
     # shared prompts wait for in-flight prefixes, so prefills land in more steps.
     assert sum(ahead) >= 5, f"only {sum(ahead)} of {len(ahead)} steps were launched ahead"
     assert eng.kv.num_free == eng.config.num_kv_blocks and not eng.has_unfinished() and eng._inflight is None
-    for j in jobs:
-        out = outputs[j.rid]
-        assert len(out.outputs) == j.params.n
-        for got, exp, streamed in zip(out.outputs, j.expected, streams[j.rid]):
-            assert streamed == got.text, f"{j.rid}: the stream does not join to the final text"
-            check_sample(got, exp, j.abort_after is not None, llm_async.tokenizer)
+    check_jobs(jobs, outputs, streams, llm_async.tokenizer)
 
 
 def test_async_scheduling_survives_a_failed_step(llm_async, ref, tiny_adapters):
