@@ -358,6 +358,8 @@ class LLMEngine:
         nplan, batch = planned
         for row, s in enumerate(nplan.decode):
             batch["prev_rows"][row] = rows.get(id(s), -1)
+            if batch["prev_rows"][row] < 0 and batch["tokens"][row] == placeholder:  # cannot happen: say so
+                raise RuntimeError(f"async scheduling: decode row {row} has no token (request {s.request_id})")
         try:
             return nplan, self.runner.launch(batch, prev=handle), False
         except Exception as e:
