@@ -24,7 +24,6 @@ from jlora.formats import read_gguf_fields, read_gguf_header
 from jlora.models import quant
 from jlora.models.config import LlamaConfig
 from jlora.models.llama import Llama
-from jlora.models.random_checkpoint import measure_load, write_random_checkpoint  # noqa: F401 (for benchmarks)
 from jlora.models.streaming import hf_name_table, stream_model, timed_load  # noqa: F401 (hf_name_table re-exported)
 from jlora.models.tensors import GGUFTensor, Tensor, gguf_row_permutation, materialize, open_safetensors
 
