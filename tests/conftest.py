@@ -76,3 +76,28 @@ def tiny_adapters(tiny_dir, tmp_path_factory):
         pm.unload()
         paths.append(root / name)
     return paths
+
+
+@pytest.fixture
+def cli_llm_kwargs(monkeypatch):
+    """(generate, serve): the `LLM(...)` keyword arguments `jlora generate hi ARGV` and
+    `jlora serve ARGV` would build from their flags, checked as the CLI checks them, with nothing loaded."""
+    from jlora import cli
+    from jlora.server.serve import engine_kwargs as serve_kwargs
+
+    def generate(argv: list[str]) -> dict:
+        seen: dict = {}
+
+        def make_llm(args, kwargs=None):
+            seen.update(kwargs or cli.engine_kwargs(args))
+            raise SystemExit(0)
+
+        monkeypatch.setattr(cli, "make_llm", make_llm)
+        with pytest.raises(SystemExit):
+            cli.main(["generate", "hi", *argv])
+        return seen
+
+    def serve(argv: list[str]) -> dict:
+        return serve_kwargs(vars(cli.build_parser().parse_args(["serve", *argv])))
+
+    return generate, serve

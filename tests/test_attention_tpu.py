@@ -158,26 +158,16 @@ def test_whole_cache_copy_detector():
     assert [f.split(" = ")[0] for f in found] == ["%copy.12", "%copy_fusion.1", "%transpose.2"]
 
 
-def test_cli_flags_reach_llm(monkeypatch):
+def test_cli_flags_reach_llm(cli_llm_kwargs):
     """--attn-impl and --async-scheduling from `jlora generate` and `jlora serve` to LLM(...)."""
     from jlora import cli
-    from jlora.server.serve import engine_kwargs as serve_kwargs
 
-    seen = {}
-
-    def make_llm(args, kwargs=None):
-        seen.update(kwargs or cli.engine_kwargs(args))
-        raise SystemExit(0)
-
-    monkeypatch.setattr(cli, "make_llm", make_llm)
-    with pytest.raises(SystemExit):
-        cli.main(["generate", "hi", "--attn-impl", "xla", "--async-scheduling"])
+    generate, serve = cli_llm_kwargs
+    seen = generate(["--attn-impl", "xla", "--async-scheduling"])
     assert seen["attn_impl"] == "xla" and seen["async_scheduling"] is True
-    seen.clear()
-    with pytest.raises(SystemExit):
-        cli.main(["generate", "hi"])
+    seen = generate([])
     assert seen["attn_impl"] == "auto" and seen["async_scheduling"] is None
-    kw = serve_kwargs(vars(cli.build_parser().parse_args(["serve", "--attn-impl", "pallas", "--async-scheduling"])))
+    kw = serve(["--attn-impl", "pallas", "--async-scheduling"])
     assert kw["attn_impl"] == "pallas" and kw["async_scheduling"] is True
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["generate", "hi", "--attn-impl", "flash"])

@@ -268,22 +268,11 @@ def test_tensor_parallel_sizes_that_cannot_shard_are_refused(heads, kv_heads, in
         check_tensor_parallel(_cfg(heads, kv_heads, intermediate=intermediate), tp)
 
 
-def test_parallel_flags_reach_llm_from_generate_and_serve(monkeypatch):
-    from jlora import cli
-    from jlora.server.serve import engine_kwargs as serve_kwargs
-
-    seen = {}
-
-    def make_llm(args, kwargs=None):
-        seen.update(kwargs or cli.engine_kwargs(args))
-        raise SystemExit(0)
-
-    monkeypatch.setattr(cli, "make_llm", make_llm)
-    with pytest.raises(SystemExit):
-        cli.main(["generate", "hi", "--tensor-parallel-size", "3", "--data-parallel-size", "2"])
+def test_parallel_flags_reach_llm_from_generate_and_serve(cli_llm_kwargs):
+    generate, serve = cli_llm_kwargs
+    seen = generate(["--tensor-parallel-size", "3", "--data-parallel-size", "2"])
     assert seen["tensor_parallel_size"] == 3 and seen["data_parallel_size"] == 2
-    args = cli.build_parser().parse_args(["serve", "--tensor-parallel-size", "3", "--data-parallel-size", "2"])
-    kw = serve_kwargs(vars(args))
+    kw = serve(["--tensor-parallel-size", "3", "--data-parallel-size", "2"])
     assert kw["tensor_parallel_size"] == 3 and kw["data_parallel_size"] == 2
 
 

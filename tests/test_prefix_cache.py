@@ -375,24 +375,13 @@ def test_bench_prefix_runs_on_a_small_checkpoint(tiny_dir, capsys):
     assert "| prompt tokens computed |" in out
 
 
-def test_no_enable_prefix_caching_flag_reaches_llm_from_generate_and_serve(monkeypatch):
-    from jlora import cli
-    from jlora.server.serve import engine_kwargs as serve_kwargs
-
-    seen: list = []
-
-    def make_llm(args, kwargs=None):
-        seen.append((kwargs or cli.engine_kwargs(args))["enable_prefix_caching"])
-        raise SystemExit(0)
-
-    monkeypatch.setattr(cli, "make_llm", make_llm)
-    for flags in ([], ["--no-enable-prefix-caching"], ["--enable-prefix-caching"]):
-        with pytest.raises(SystemExit):
-            cli.main(["generate", "hi", *flags])
+def test_no_enable_prefix_caching_flag_reaches_llm_from_generate_and_serve(cli_llm_kwargs):
+    generate, serve = cli_llm_kwargs
+    seen = [generate(flags)["enable_prefix_caching"]
+            for flags in ([], ["--no-enable-prefix-caching"], ["--enable-prefix-caching"])]
     assert seen == [True, False, True]
     for flags, want in (([], True), (["--no-enable-prefix-caching"], False)):
-        kw = serve_kwargs(vars(cli.build_parser().parse_args(["serve", *flags])))
-        assert kw["enable_prefix_caching"] is want
+        assert serve(flags)["enable_prefix_caching"] is want
 
 
 def test_eviction_is_least_recently_used_and_loses_nothing(tiny_dir, off):

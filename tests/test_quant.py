@@ -332,22 +332,13 @@ def test_bf16_model_matches_float32_and_compiles_without_whole_array_converts(tm
 # ---- the command line ----------------------------------------------------------------------------------
 
 
-def test_cli_quantization_flag_reaches_llm(monkeypatch):
-    from jlora import cli
-    from jlora.server.serve import engine_kwargs as serve_kwargs
-
-    seen = {}
-
-    def make_llm(args, kwargs=None):
-        seen.update(kwargs or cli.engine_kwargs(args))
-        raise SystemExit(0)
-
-    monkeypatch.setattr(cli, "make_llm", make_llm)
-    with pytest.raises(SystemExit):
-        cli.main(["generate", "hi", "--quantization", "int8", "--dtype", "bfloat16"])
+def test_cli_quantization_flag_reaches_llm(cli_llm_kwargs):
+    generate, serve = cli_llm_kwargs
+    seen = generate(["--quantization", "int8", "--dtype", "bfloat16"])
     assert seen["quantization"] == "int8" and seen["dtype"] == "bfloat16"
-    args = cli.build_parser().parse_args(["serve", "--quantization", "int8-weight-only"])
-    assert serve_kwargs(vars(args))["quantization"] == "int8-weight-only"
+    assert serve(["--quantization", "int8-weight-only"])["quantization"] == "int8-weight-only"
+    from jlora import cli
+
     with pytest.raises(SystemExit):  # argparse rejects an unknown mode
         cli.build_parser().parse_args(["generate", "hi", "--quantization", "int4"])
 

@@ -128,19 +128,7 @@ def test_equal_slot_ranks_are_one_pool():
     assert EngineConfig(max_loras=3, max_lora_rank=8, lora_slot_ranks=(8, 2, 4)).slot_ranks == (2, 4, 8)
 
 
-def test_slot_ranks_flag_reaches_llm(monkeypatch):
-    from jlora import cli
-    from jlora.server.serve import engine_kwargs as serve_kwargs
-
-    seen = {}
-
-    def make_llm(args, kwargs=None):
-        seen.update(kwargs or cli.engine_kwargs(args))
-        raise SystemExit(0)
-
-    monkeypatch.setattr(cli, "make_llm", make_llm)
-    with pytest.raises(SystemExit):
-        cli.main(["generate", "hi", "--max-lora-rank", "32", "--lora-slot-ranks", "8,16,32,32"])
-    assert seen["lora_slot_ranks"] == (8, 16, 32, 32)
-    args = cli.build_parser().parse_args(["serve", "--max-lora-rank", "32", "--lora-slot-ranks", "8,16,32,32"])
-    assert serve_kwargs(vars(args))["lora_slot_ranks"] == (8, 16, 32, 32)
+def test_slot_ranks_flag_reaches_llm(cli_llm_kwargs):
+    generate, serve = cli_llm_kwargs
+    assert generate(["--max-lora-rank", "32", "--lora-slot-ranks", "8,16,32,32"])["lora_slot_ranks"] == (8, 16, 32, 32)
+    assert serve(["--max-lora-rank", "32", "--lora-slot-ranks", "8,16,32,32"])["lora_slot_ranks"] == (8, 16, 32, 32)
