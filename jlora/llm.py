@@ -238,7 +238,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generate", disable=not (use_tqdm and self.progress and len(ids) > 1))
         try:
             while len(done) < len(ids):
-                finished = [o.request_id for o in self.engine.step() if o.finished]
+                finished = [o.request_id for o in self.engine.step(finished_only=True) if o.finished]
                 for rid in finished:
                     done[rid] = self.engine.pop_finished(rid)
                 bar.update(len(finished))

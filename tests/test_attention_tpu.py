@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from jlora.kernels.attention import paged_attention_reference
 from jlora.engine.runner import whole_cache_copies
@@ -54,6 +55,21 @@ def test_kernel_matches_reference(h, kvh, dh, bs, chunk, nq):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     assert not np.asarray(got)[positions < 0].any()  # padded queries read nothing
     assert np.abs(np.asarray(got)[positions >= 0]).sum(-1).min() > 0
+
+
+@pytest.mark.parametrize("h,kvh,dh,bs,chunk,nq", [(4, 2, 64, 16, 64, 1), (8, 2, 64, 16, 128, 5)])
+def test_pages_past_the_end_are_not_read(h, kvh, dh, bs, chunk, nq):
+    """The kernel copies only the pages a sequence reaches; the rest of a chunk's buffer holds
+    whatever was there (here: NaN, Pallas' interpreter filling uninitialized memory) and must not
+    reach the output. The shortest sequence goes first, so its buffer was never written; a fully
+    padded one sits between (the next program's first chunk is prefetched across it)."""
+    q, k, v, positions, tables = make_case(h, kvh, dh, bs, nq, seed=5)
+    q, positions, tables = q[::-1].copy(), positions[::-1].copy(), tables[::-1].copy()
+    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk,
+                              interpret=pltpu.InterpretParams(uninitialized_memory="nan"))
+    want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
+    assert not np.isnan(np.asarray(got)).any()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("window", [1, 40, 150])

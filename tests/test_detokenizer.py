@@ -39,3 +39,17 @@ def test_random_tokens_and_special_tokens(tok):
         for i in ids:
             d.append(i)
         assert d.text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_the_rust_decode_is_used_only_where_it_equals_the_wrapper(tok):
+    """The fast path calls the `tokenizers` backend directly (no space clean-up to apply); a tokenizer
+    that cleans up spaces keeps the transformers wrapper, whose output differs."""
+    assert IncrementalDetokenizer(tok)._decode_ids == tok.backend_tokenizer.decode
+    ids = tok.encode("a , b . c ! héllo 🎉 <|im_start|> x")
+    for skip in (True, False):
+        assert tok.backend_tokenizer.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    tok.clean_up_tokenization_spaces = True
+    try:
+        assert IncrementalDetokenizer(tok)._decode_ids == tok.decode
+    finally:
+        tok.clean_up_tokenization_spaces = False

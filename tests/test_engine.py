@@ -255,6 +255,26 @@ def test_streaming_deltas_concatenate_to_the_text(llm):
     assert "".join(deltas) == full and len(deltas) > 1
 
 
+def test_step_finished_only_returns_just_the_finished_requests(llm):
+    """`step(finished_only=True)` (what LLM.generate uses) snapshots only requests that finished in
+    that step; the same requests, stepped normally, give the same final outputs."""
+    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    want = {o.prompt_token_ids[0]: o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)}
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    got, steps = {}, 0
+    while engine.has_unfinished():
+        outs = engine.step(finished_only=True)
+        steps += 1
+        assert all(o.finished for o in outs)
+        got.update({o.request_id: o for o in outs})
+    assert sorted(got) == sorted(ids) and steps > len(ids)  # most steps returned nothing
+    for rid in ids:
+        out = engine.pop_finished(rid)
+        assert out.outputs[0].token_ids == want[out.prompt_token_ids[0]] == got[rid].outputs[0].token_ids
+
+
 def test_zero_compiles_after_warmup_randomized_workload(llm, tiny_adapters):
     rng = np.random.default_rng(0)
     reqs = [LoRARequest(f"mix{i}", 1000 + i, str(p)) for i, p in enumerate(tiny_adapters)]

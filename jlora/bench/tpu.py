@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import inspect
 import json
 import os
 import sys
@@ -265,6 +266,86 @@ class StepLog:
                     decode_hbm_fraction_median=float(np.median(frac)))
 
 
+class HostPhases:
+    """Where an engine step's wall time goes on the host, per `engine.step()` call: planning
+    (`scheduler.schedule`), building the batch, launching (packing, transfers, dispatch), waiting
+    for the device, reading its outputs, processing them (tokens, text, stops) and the rest. Only the
+    steps without a prefill count (`summary`): the decode pace the roofline is about."""
+
+    PHASES = ("schedule", "build_batch", "launch", "wait_device", "read_outputs", "process", "commit")
+
+    def __init__(self, engine: Any):
+        self.engine, self.calls, self._cur = engine, [], None
+        runner = engine.runner
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(runner, "build_batch", "build_batch")
+        self._wrap(engine, "_process", "process")
+        self._wrap(engine, "_commit", "commit")
+        launch, collect = runner.launch, runner.collect
+
+        def timed_launch(batch: dict[str, Any], prev: Any = None) -> Any:
+            if self._cur is not None:
+                self._cur["prefill"] |= bool(batch["pre_positions"].shape[0])
+                self._cur["launches"] += 1
+                self._cur["ahead"] += prev is not None
+            t0 = time.perf_counter()
+            try:
+                return launch(batch, prev=prev)
+            finally:
+                self._add("launch", time.perf_counter() - t0)
+
+        def timed_collect(handle: Any) -> Any:
+            t0 = time.perf_counter()
+            handle.packed.block_until_ready()
+            t1 = time.perf_counter()
+            try:
+                return collect(handle)
+            finally:
+                self._add("wait_device", t1 - t0)
+                self._add("read_outputs", time.perf_counter() - t1)
+
+        runner.launch, runner.collect = timed_launch, timed_collect
+        step = engine.step
+
+        def timed_step(*a: Any, **k: Any) -> Any:
+            self._cur = dict.fromkeys(self.PHASES, 0.0) | dict(prefill=False, launches=0, ahead=0)
+            t0 = time.perf_counter()
+            try:
+                return step(*a, **k)
+            finally:
+                self._cur["total"] = time.perf_counter() - t0
+                self.calls.append(self._cur)
+                self._cur = None
+
+        engine.step = timed_step
+
+    def _wrap(self, obj: Any, name: str, phase: str) -> None:
+        f = getattr(obj, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                self._add(phase, time.perf_counter() - t0)
+
+        setattr(obj, name, timed)
+
+    def _add(self, phase: str, seconds: float) -> None:
+        if self._cur is not None:
+            self._cur[phase] += seconds
+
+    def summary(self, first: int = 0) -> dict[str, Any]:
+        calls = [c for c in self.calls[first:] if not c["prefill"] and c["launches"]]
+        if not calls:
+            return {}
+        ms = {k: float(np.mean([c[k] for c in calls]) * 1e3) for k in self.PHASES + ("total",)}
+        ms["other"] = ms["total"] - sum(ms[k] for k in self.PHASES)
+        ms["host"] = ms["total"] - ms["wait_device"]
+        return dict(host_ms_per_decode_step=ms, decode_calls=len(calls),
+                    launched_ahead_fraction=float(np.mean([c["ahead"] > 0 for c in calls])))
+
+
 def _matmul_params(cfg: Any) -> int:
     d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     h, kvh, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -272,7 +353,7 @@ def _matmul_params(cfg: Any) -> int:
 
 
 def run_workload(llm: Any, log: StepLog, name: str, n: int, prompt_len: int, new: int, loras: list[Any],
-                 seed: int) -> dict[str, Any]:
+                 seed: int, phases: HostPhases | None = None) -> dict[str, Any]:
     from jlora import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -280,13 +361,15 @@ def run_workload(llm: Any, log: StepLog, name: str, n: int, prompt_len: int, new
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     engine = llm.engine
     first = len(log.records)
+    first_call = len(phases.calls) if phases is not None else 0
     t0 = time.perf_counter()
     ids = []
     for i in range(n):
         prompt = rng.integers(3, vocab, prompt_len).tolist()
         ids.append(engine.add_request({"prompt_token_ids": prompt}, params, loras[i % len(loras)] if loras else None))
+    final_only = "finished_only" in inspect.signature(engine.step).parameters  # as LLM.generate (older: all)
     while engine.has_unfinished():
-        engine.step()
+        engine.step(finished_only=True) if final_only else engine.step()
     wall = time.perf_counter() - t0
     outs = [engine.pop_finished(r) for r in ids]
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -302,12 +385,15 @@ def run_workload(llm: Any, log: StepLog, name: str, n: int, prompt_len: int, new
                engine_decode_ms=engine_ms,
                tok_s=generated / wall, generated=generated, ttft_p50=float(np.median(ttft)), ttft_max=float(ttft[-1]),
                prefill_steps=len(pre), prefill_s=pre_s, prefill_mxu_fraction=flops / pre_s / MXU_FLOPS if pre_s else 0.0,
-               **log.decode_summary(recs))
+               **log.decode_summary(recs), **(phases.summary(first_call) if phases is not None else {}))
     print(f"  {name}: {row['tok_s']:.0f} tok/s, decode {row.get('decode_ms_median', 0):.2f} ms/step "
           f"(engine {engine_ms:.2f}) "
           f"({row.get('decode_hbm_fraction_median', 0):.0%} of HBM roofline "
           f"{row.get('decode_roofline_ms_median', 0):.2f} ms), prefill {row['prefill_mxu_fraction']:.0%} of MXU, "
           f"TTFT p50 {row['ttft_p50']:.2f} s", flush=True)
+    if "host_ms_per_decode_step" in row:
+        print("    host per decode step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in row["host_ms_per_decode_step"].items())
+              + f"; launched ahead in {row['launched_ahead_fraction']:.0%} of them", flush=True)
     return row
 
 
@@ -382,7 +468,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     weight_bytes = sum(int(w.nbytes) for w in runner._weights)
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * runner.cache["k"].dtype.itemsize
     slot_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(runner.lora.state)) // llm.config.max_loras
-    eng = dict(shape=args.shape, start_s=start_s, attn_impl=getattr(runner, "attn_impl", "xla (before)"),
+    eng = dict(shape=args.shape, start_s=start_s, startup_breakdown_s=getattr(llm, "startup_seconds", None), attn_impl=getattr(runner, "attn_impl", "xla (before)"),
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
                lora_impl=args.lora_impl,
                graphs=llm.config.num_step_graphs, weight_bytes=weight_bytes, config=str(llm.config),
@@ -394,6 +480,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     _save(out, results)
 
     log = StepLog(runner, weight_bytes, kv_per_token, slot_bytes)
+    phases = HostPhases(llm.engine) if hasattr(runner, "launch") else None  # an older jlora: no phases
     adapters = make_adapters(cfg, 4, args.rank, Path(args.dir) / "adapters")
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     compiles_before = compile_stats.compile_count()
@@ -404,7 +491,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
             continue
         if plen + new > args.max_model_len:
             continue
-        rows.append(run_workload(llm, log, name, n, plen, new, loras[:k], seed=i))
+        rows.append(run_workload(llm, log, name, n, plen, new, loras[:k], seed=i, phases=phases))
         _save(out, results)
     eng["compiles_after_warmup"] = compile_stats.compile_count() - compiles_before
     print(f"compiles after warm-up: {eng['compiles_after_warmup']}", flush=True)
@@ -427,17 +514,29 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     trace = tempfile.mkdtemp(prefix="jlora-trace-")
     from jlora import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # Long enough that every row still decodes in the traced steps: the first rows start decoding
+    # while the last prompts are prefilled (one ~1K-token chunk a step).
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_num_seqs + 40, ignore_eos=True)
     rng = np.random.default_rng(99)
     plen = min(1000, args.max_model_len - 32)
     ids = [llm.engine.add_request({"prompt_token_ids": rng.integers(3, cfg.vocab_size, plen).tolist()}, params,
                                   loras[i % 4]) for i in range(args.max_num_seqs)]
+    # The prefill steps get a trace of their own (where a 1,024-token chunk's time goes).
+    prefill_trace = tempfile.mkdtemp(prefix="jlora-trace-prefill-")
+    jax.profiler.start_trace(prefill_trace)
     while llm.engine.has_unfinished() and any(not llm.engine.get_output(r).outputs[0].token_ids for r in ids):
-        llm.engine.step()  # prefill outside the trace
-    jax.profiler.start_trace(trace)
-    while llm.engine.has_unfinished():
         llm.engine.step()
     jax.profiler.stop_trace()
+    top = profile_top(prefill_trace)
+    (out / "profile_prefill.txt").write_text(top)
+    print("== prefill steps\n" + top, flush=True)
+    jax.profiler.start_trace(trace)
+    for _ in range(20):
+        llm.engine.step()
+    jax.profiler.stop_trace()
+    results["profile_rows"] = len(llm.engine.running)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
     top = profile_top(trace)
     (out / "profile.txt").write_text(top)
     print(top, flush=True)
@@ -496,17 +595,26 @@ def main(argv: list[str] | None = None) -> int:
     if "engine" in sections:
         bench_engine(ckpt, out, args, results)
     if "warm" in sections:  # its own process, after the one that compiled (one process holds the chip)
-        from jlora import LLM
-
         t0 = time.perf_counter()
+        import jax
+
+        jax.devices()  # the TPU runtime's own start, apart from jlora's
+        results["warm_runtime_start_s"] = time.perf_counter() - t0
+        from jlora import LLM, compile_stats
+
         extra = {} if args.async_scheduling == "auto" else dict(async_scheduling=args.async_scheduling == "on")
-        LLM(str(ckpt), dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, token_buckets=args.token_buckets,
-            decode_row_buckets=args.decode_row_buckets, max_loras=4, max_lora_rank=args.rank,
-            lora_impl=args.lora_impl, attn_impl=args.attn_impl, block_size=args.block_size, progress=False, **extra)
+        llm = LLM(str(ckpt), dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, token_buckets=args.token_buckets,
+                  decode_row_buckets=args.decode_row_buckets, max_loras=4, max_lora_rank=args.rank,
+                  lora_impl=args.lora_impl, attn_impl=args.attn_impl, block_size=args.block_size, progress=False,
+                  **extra)
         results["warm_start_s"] = time.perf_counter() - t0
+        results["warm_start_breakdown_s"] = dict(getattr(llm, "startup_seconds", {}),
+                                                 runtime_start=results["warm_runtime_start_s"],
+                                                 compile_cache_hits=compile_stats.cache_hit_count(),
+                                                 compiles=compile_stats.compile_count())
         print(f"warm start (LLM(), compile and weights caches filled by an earlier process): "
-              f"{results['warm_start_s']:.1f} s", flush=True)
+              f"{results['warm_start_s']:.1f} s: {results['warm_start_breakdown_s']}", flush=True)
         _save(out, results)
     return 0
 

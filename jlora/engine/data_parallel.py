@@ -177,11 +177,11 @@ class DataParallelEngine:
         self._owner[request_id] = eng
         return request_id
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         busy = [r for r in self.replicas if r.has_unfinished()]
         if len(busy) == 1:
-            return busy[0].step()
-        return [o for outs in self._pool.map(lambda r: r.step(), busy) for o in outs]
+            return busy[0].step(finished_only)
+        return [o for outs in self._pool.map(lambda r: r.step(finished_only), busy) for o in outs]
 
     def has_unfinished(self) -> bool:
         return any(r.has_unfinished() for r in self.replicas)

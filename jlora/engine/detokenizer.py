@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode_ids = _fast_decode(tokenizer) or tokenizer.decode
         self.ids: list[int] = []
         self.stable = ""
         self._tail = ""  # text of ids[_read:] while it still ends in an incomplete character
@@ -35,7 +36,7 @@ class IncrementalDetokenizer:
         return self.stable + self._tail
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int) -> None:
         self.ids.append(token_id)
@@ -48,3 +49,13 @@ class IncrementalDetokenizer:
         self.stable += delta
         self._tail = ""
         self._prefix, self._read = self._read, len(self.ids)
+
+
+def _fast_decode(tokenizer: Any) -> Any:
+    """The Rust tokenizer's own `decode` when it gives what the transformers wrapper would (a fast
+    tokenizer that does no clean-up of spaces): a quarter of the wrapper's cost per call, which
+    matters at two calls per token per row on the serving thread. None: use the wrapper."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend.decode

@@ -235,9 +235,11 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One scheduling round, one device call. Returns the requests that changed (their state so
-        far; `finished` on the last), including any failed in this step.
+        far; `finished` on the last), including any failed in this step; with `finished_only`, only
+        those that finished (vLLM's FINAL_ONLY: `LLM.generate` needs no snapshot of 64 unfinished
+        requests on every step).
 
         With async scheduling (`EngineConfig.async_scheduling`, vLLM's name) the next step is
         planned and launched before this one's tokens reach the host, when nothing in the plan
@@ -246,29 +248,30 @@ class LLMEngine:
         on the device. Outputs are the same tokens; a sequence that stops (EOS, a stop string)
         leaves at most one wasted row in the step already launched."""
         touched: dict[str, Request] = {}
+        outputs = lambda: [r.to_output() for r in touched.values() if r.finished or not finished_only]  # noqa: E731
         if self._inflight is not None:
             plan, handle, committed = self._inflight
             self._inflight = None
         else:
             planned = self._plan(touched)
             if planned is None:
-                return [req.to_output() for req in touched.values()]
+                return outputs()
             plan, batch = planned
             if not self._async:
                 try:
                     out = self.runner.step(batch)
                 except Exception as e:
                     self._step_failed(plan, e, touched)
-                    return [req.to_output() for req in touched.values()]
+                    return outputs()
                 self._commit(plan)
                 self.output.record_prompt_logprobs(plan, out)
                 self._process(out, plan.sampled, touched)
-                return [req.to_output() for req in touched.values()]
+                return outputs()
             try:
                 handle, committed = self.runner.launch(batch), False
             except Exception as e:
                 self._step_failed(plan, e, touched)
-                return [req.to_output() for req in touched.values()]
+                return outputs()
         ahead = None
         if self._can_look_ahead(plan):
             self._commit(plan)
@@ -284,7 +287,7 @@ class LLMEngine:
                     pass
                 self.runner.cache = self.runner._zero_cache()
             self._step_failed(plan, e, touched, cache_lost=ahead is not None or committed)
-            return [req.to_output() for req in touched.values()]
+            return outputs()
         if not committed:
             self._commit(plan)
         self.output.record_prompt_logprobs(plan, out)
@@ -292,7 +295,7 @@ class LLMEngine:
         self._inflight = ahead
         if self._inflight is not None and not self.scheduler.has_unfinished():
             self._drain()  # everyone finished: the step launched ahead carries only finished rows
-        return [req.to_output() for req in touched.values()]
+        return outputs()
 
     def _plan(self, touched: dict[str, Request]) -> tuple[Any, dict[str, Any]] | None:
         """The next plan and its host arrays; a sequence whose row cannot be built fails alone and
