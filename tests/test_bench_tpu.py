@@ -140,10 +140,25 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
         assert set(load["device_bytes_by_dtype"]) == {"int8", "float32", "uint16"}  # no float copy of a projection
     eng = run["engine"]
     assert eng["quantization"] == "int8" and eng["activations"] == "int8" and eng["max_num_seqs"] == 3
-    assert eng["compiles_after_warmup"] == 0 and eng["whole_cache_copies"] == []
+    assert eng["compiles_after_warmup"] == 0 and eng["whole_cache_copies"] == [] and eng["whole_weight_copies"] == []
     (row,) = run["workloads"]
     assert row["quantization"] == "int8" and row["requests"] == 3 and row["generated"] == 3 * 256
     assert run["warm"]["weights_cache_hit"] is True and run["warm"]["compiles"] == run["warm"]["cache_hits"]
-    assert {q["mode"] for q in r["qmatmul"]["tiny"]} == {"bf16", "w8a16", "w8a8"}
+    assert {q["mode"] for q in r["qmatmul"]["tiny"]} == set(tpu.QMATMUL_MODES) and "errors" not in r["qmatmul"]["tiny"][0]
     assert r["agree"]["tiny"]["int8"]["top1"] > 0.9 and r["agree"]["tiny"]["int8-weight-only"]["top1"] > 0.9
     assert "errors" not in r
+
+
+def test_a_disk_too_small_for_the_run_moves_it_to_dev_shm(tmp_path, monkeypatch):
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    args = tpu.parse_args(["--shape", "llama-3.1-8b", "--quantization", "int8", "--dir", str(tmp_path / "bench")])
+    sections = ["checkpoint", "load", "engine", "agree"]
+    need = tpu.disk_needed(args, sections)
+    assert 27.7e9 < need < 27.8e9  # 16.06 GB checkpoint + 8.56 GB int8 cache + 2.15 GB for the 1B + 1 GB spare
+    free = {str(tmp_path / "bench"): 20e9, "/dev/shm": 30e9}
+    monkeypatch.setattr(tpu.shutil, "disk_usage", lambda p: usage(0, 0, free[str(p)]))
+    assert tpu.pick_dir(args, sections) == "/dev/shm/bench"
+    free["/dev/shm"] = 1e9
+    assert tpu.pick_dir(args, sections) == str(tmp_path / "bench")  # nowhere better: a warning, the same dir

@@ -95,7 +95,9 @@ WORKLOADS = (
     ("Nx(1024 in, 256 out), 1 adapter", None, 1024, 256, 1),
     ("Nx(1024 in, 256 out), 4 mixed adapters", None, 1024, 256, 4),
 )
-DEFAULT_WORKLOADS = {"llama-3.1-8b": "7,8,9"}  # else every row that fits max_model_len
+# The 8B's: the seed workload, then no adapter and 4 mixed adapters at 256 new tokens (LoRA's cost
+# side by side, a quarter of the decode steps); 8 and 10 on request.
+DEFAULT_WORKLOADS = {"llama-3.1-8b": "7,9,11"}  # else every row that fits max_model_len
 
 
 # ---- memory: what the weights take, and what is left for the KV cache -------------------------------
@@ -445,6 +447,18 @@ def whole_cache_copies(llm: Any) -> dict[str, Any]:
                 step_graphs_checked=len(found))
 
 
+def whole_weight_copies(llm: Any) -> list[str]:
+    """Copies, transposes and copy fusions in the compiled step graphs that produce a whole stacked
+    weight ([L, ...]) or the embedding/head: XLA:TPU re-laying out a weight it was handed (an int8
+    [L, out, in] stack, say) would cost a full read and write of it, and its memory, every step."""
+    from jlora.engine.runner import whole_cache_copies as find
+
+    runner = llm.engine.runner
+    shapes = {tuple(w.shape) for w in runner._weights if w.ndim >= 2 and w.shape[0] > 1}
+    return [c for exe in runner._executables.values() for text in [exe.as_text()] for shape in shapes
+            for c in find(text, shape)]
+
+
 def profile_top(trace_dir: str, n: int = 20) -> str:
     """Device time per XLA module and the top device ops of the newest trace under trace_dir."""
     from jax.profiler import ProfileData
@@ -615,11 +629,13 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                weight_bytes_per_step=step_weight_bytes, memory_report=report, device_memory=device_memory(),
                step_memory=step_memory(llm), config=str(llm.config), devices=str(jax.devices()), jax=jax.__version__)
     eng.update(whole_cache_copies(llm))
+    eng["whole_weight_copies"] = whole_weight_copies(llm)
     print(f"engine {tag}: started in {start_s:.1f} s (weights cache hit: {eng['weights_cache_hit']}), attn "
           f"{eng['attn_impl']}, {eng['graphs']} step graphs, {n} sequences x {args.max_model_len} positions of KV "
           f"({report['kv_cache']['bytes'] / 1e9:.2f} GB), weights {weight_bytes / 1e9:.2f} GB "
           f"({step_weight_bytes / 1e9:.2f} GB read per decode step), device memory {eng['device_memory']}, "
-          f"whole-cache copies in the step graphs: {len(eng['whole_cache_copies'])}", flush=True)
+          f"whole-cache copies in the step graphs: {len(eng['whole_cache_copies'])}, whole-weight copies: "
+          f"{len(eng['whole_weight_copies'])} {eng['whole_weight_copies'][:4]}", flush=True)
     print(f"  step graphs' memory: {json.dumps(eng['step_memory'])}", flush=True)
     res["engine"] = eng
     _save(out, results)
@@ -821,11 +837,16 @@ def bench_load(args: argparse.Namespace, out: Path, results: dict[str, Any]) -> 
 # ---- the quantized projections alone ------------------------------------------------------------------
 
 
+QMATMUL_MODES = ("bf16", "w8a16", "w8a16-mixed", "w8a8")
+
+
 def bench_qmatmul(cfg: dict[str, Any], rows: tuple[int, ...], reps: int = 20,
-                  modes: tuple[str, ...] = ("bf16", "w8a16", "w8a8")) -> list[dict[str, Any]]:
+                  modes: tuple[str, ...] = QMATMUL_MODES) -> list[dict[str, Any]]:
     """Each projection of `cfg` (qkv, gate_up, down, and the lm head) at each row count, as the model
     multiplies it (`quant.linear`, `quant.lm_head`): bf16 weights, int8 weights widened in the matmul
-    (W8A16) and int8 x int8 (W8A8), `reps` calls inside one jit. A projection's weight is sliced from a
+    (W8A16: jlora's form, `q.astype(bf16)` then the dot), the same as one mixed bf16 x int8
+    `dot_general` (w8a16-mixed: XLA widens where it likes; not jlora's form yet, measured to decide),
+    and int8 x int8 (W8A8), `reps` calls inside one jit. A projection's weight is sliced from a
     stack of 2 by the loop index (as the layer scan does), so XLA cannot hoist its conversion out of
     the loop; the whole output feeds the next input. Weight bytes / time against the HBM roofline,
     flops / time against the MXU peak (int8's for W8A8)."""
@@ -850,11 +871,14 @@ def bench_qmatmul(cfg: dict[str, Any], rows: tuple[int, ...], reps: int = 20,
                 wbytes = din * dout * 2
             else:
                 q = jax.random.randint(k1, (stack, dout, din), -127, 128, jnp.int8)
-                w = quant.QArray(q, jnp.full((stack, dout), 1e-3, jnp.float32), "float" if mode == "w8a16" else "int8")
+                w = quant.QArray(q, jnp.full((stack, dout), 1e-3, jnp.float32), "int8" if mode == "w8a8" else "float")
                 wbytes = din * dout + 4 * dout
 
-            def call(x, w, i):
+            def call(x, w, i, mode=mode):
                 wi = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i % stack, 0, keepdims=False), w)
+                if mode == "w8a16-mixed":  # x bf16 [T, in] . q int8 [out, in]: one mixed-dtype dot
+                    y = jax.lax.dot_general(x, wi.q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    return (y * wi.scale).astype(jnp.float32 if head else x.dtype)
                 return quant.lm_head(x, wi) if head else quant.linear(x, wi)
 
             for t in rows:
@@ -882,7 +906,7 @@ def bench_qmatmul(cfg: dict[str, Any], rows: tuple[int, ...], reps: int = 20,
                            gb_s=wbytes / dt / 1e9, hbm_fraction=wbytes / dt / HBM_BYTES_PER_S,
                            tflops=flops / dt / 1e12, mxu_fraction=flops / dt / peak)
                 out.append(row)
-                print(f"  qmatmul {name:12s} {mode:5s} T={t:5d}: {dt * 1e6:9.1f} us, {row['gb_s']:6.1f} GB/s of weights "
+                print(f"  qmatmul {name:12s} {mode:11s} T={t:5d}: {dt * 1e6:9.1f} us, {row['gb_s']:6.1f} GB/s of weights "
                       f"({row['hbm_fraction']:.0%} of HBM), {row['tflops']:6.1f} TFLOP/s ({row['mxu_fraction']:.0%} of "
                       f"{'int8' if mode == 'w8a8' else 'bf16'} MXU)", flush=True)
             del w
@@ -917,8 +941,9 @@ def bench_agree(ckpt: Path, dtype: str = "bfloat16", batch: int = 4, length: int
                 modes: tuple[str, ...] = ("int8-weight-only", "int8"), seed: int = 0) -> dict[str, Any]:
     """int8 modes against `dtype` on the same checkpoint: teacher-forced over `batch` random token-id
     prompts of `length` tokens, every position's top-1 agreement (what greedy decoding would pick
-    next from the same prefix), max and mean |logit difference|, and the reference logits' spread
-    (random weights give flat logits, so near-ties make top-1 agreement a hard measure here)."""
+    next from the same prefix), max and mean |logit difference|, and the reference logits' spread and
+    median margin between its two best (random weights give flat logits: near-ties make top-1
+    agreement a hard measure here; tests/test_dtypes_real.py states it on a real model)."""
     import jax
 
     from jlora.models.loading import load_model
@@ -936,9 +961,10 @@ def bench_agree(ckpt: Path, dtype: str = "bfloat16", batch: int = 4, length: int
         del model
         gc.collect()
     ref = logits["none"]
+    top = ref.max(-1, keepdims=True)
+    second = np.where(ref < top, ref, -np.inf).max(-1, keepdims=True)  # the best logit below the top one
     out: dict[str, Any] = dict(dtype=dtype, prompts=batch, tokens=length, devices=str(jax.devices()), seconds=timing,
-                               ref_logit_std=float(ref.std()),
-                               ref_top2_margin_median=float(np.median(np.diff(np.sort(ref, -1)[..., -2:], axis=-1))))
+                               ref_logit_std=float(ref.std()), ref_top2_margin_median=float(np.median(top - second)))
     for mode in modes:
         diff = np.abs(logits[mode] - ref)
         out[mode] = dict(top1=float(np.mean(logits[mode].argmax(-1) == ref.argmax(-1))), dlogit_max=float(diff.max()),
@@ -950,6 +976,13 @@ def bench_agree(ckpt: Path, dtype: str = "bfloat16", batch: int = 4, length: int
 
 
 # ---- processes -------------------------------------------------------------------------------------------
+
+
+def agree_checkpoint(args: argparse.Namespace) -> Path:
+    """The agree section's checkpoint: every value a fresh draw (`write_random_checkpoint`), since the
+    pool the bench's writer slices repeats rows (a head of 49,152 x 2,048 from 2^24 values has each
+    row 6 times), which would tie logits exactly."""
+    return Path(args.dir) / f"{args.agree_shape}-agree"
 
 
 def run_child(argv: list[str], tag: str, retries: int = 1) -> tuple[int, list[str]]:
@@ -1135,9 +1168,13 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
     elif section == "engine":
         bench_engine(ckpt, out, args, results)
     elif section == "agree":
-        path = Path(args.dir) / args.agree_shape
+        path = agree_checkpoint(args)
         if not (path / "config.json").is_file():
-            print(f"checkpoint {args.agree_shape} written in {write_checkpoint(path, args.agree_shape):.1f} s", flush=True)
+            from jlora.models.random_checkpoint import write_random_checkpoint
+
+            t0 = time.perf_counter()
+            write_random_checkpoint(path, {**SHAPES[args.agree_shape], "max_position_embeddings": 4096})
+            print(f"checkpoint {path} (fresh N(0, 0.02) draws) written in {time.perf_counter() - t0:.1f} s", flush=True)
         results.setdefault("agree", {})[args.agree_shape] = bench_agree(path, args.dtype)
         _save(out, results)
     elif section == "warm":  # a fresh process: the engine section's sizes, its caches filled
@@ -1163,6 +1200,42 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
               f"{res['warm_start_s']:.1f} s {json.dumps(res['warm'])}", flush=True)
         _save(out, results)
     return results
+
+
+def disk_needed(args: argparse.Namespace, sections: list[str]) -> int:
+    """Bytes the run writes under --dir: the checkpoint, the weights cache entry, the agree section's
+    checkpoint, adapters, and a GB to spare (what is already there is not counted again)."""
+    dtype_bytes = 2 if args.dtype == "bfloat16" else 4
+    need = 10**9
+    if not (Path(args.dir) / args.shape / "config.json").is_file():
+        need += shape_bytes(SHAPES[args.shape])["weights"]
+    if {"load", "engine", "warm"} & set(sections):
+        need += shape_bytes(SHAPES[args.shape], dtype_bytes, args.quantization)["weights"]
+    if "agree" in sections and not (agree_checkpoint(args) / "config.json").is_file():
+        need += shape_bytes(SHAPES[args.agree_shape])["weights"]
+    return need
+
+
+def pick_dir(args: argparse.Namespace, sections: list[str]) -> str:
+    """--dir, or /dev/shm/<its name> when --dir's disk has too little room for the run and /dev/shm
+    has it (a RAM-backed disk: the host's 40 GiB hold the 8B's 16 GB checkpoint and its cache)."""
+    need = disk_needed(args, sections)
+    here = Path(args.dir)
+    here.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(here).free
+    if free >= need:
+        return args.dir
+    shm = Path("/dev/shm") / here.name
+    try:
+        shm_free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        shm_free = 0
+    if shm_free >= need:
+        print(f"--dir {here} has {free / 1e9:.1f} GB free, the run needs {need / 1e9:.1f} GB: using {shm}", flush=True)
+        return str(shm)
+    print(f"WARNING: --dir {here} has {free / 1e9:.1f} GB free (/dev/shm {shm_free / 1e9:.1f} GB), the run needs "
+          f"{need / 1e9:.1f} GB", flush=True)
+    return args.dir
 
 
 def checkpoint_section(args: argparse.Namespace, ckpt: Path, out: Path, results: dict[str, Any]) -> None:
@@ -1202,6 +1275,9 @@ def main(argv: list[str] | None = None) -> int:
     rc_all = 0
     results["machine"] = machine()
     print(f"machine: {json.dumps(results['machine'])}", flush=True)
+    args.dir = pick_dir(args, sections)
+    ckpt = Path(args.dir) / args.shape
+    argv = _argv_without(argv, ("--dir",)) + ["--dir", args.dir]  # the children's too
     for group in plan_processes(sections):
         t0 = time.perf_counter()
         if group == ["checkpoint"]:
