@@ -42,8 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="weights, KV cache and LoRA slots (bfloat16 is computed in float32 on CPU)")
     p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
-                   help="int8: int8 weights for every projection and the lm head, with int8 activations on CPU "
-                        "(W8A8) and dequantized in the matmul elsewhere; int8-weight-only: float activations")
+                   help="int8: int8 weights for every projection and the lm head, with int8 activations on CPU and TPU "
+                        "(W8A8) and dequantized in the matmul on GPU; int8-weight-only: float activations (W8A16)")
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"], help="prompt + generated tokens")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="sequences running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],

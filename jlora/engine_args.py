@@ -15,7 +15,7 @@ from jlora.engine.config import ATTN_IMPLS, EngineConfig  # noqa: F401 (ATTN_IMP
 ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 DTYPES = ("float32", "bfloat16", "float16")
 # Weight quantization (jlora.models.quant): "int8" = int8 weights with per-token int8 activations
-# where the backend's int8 dot is fast (CPU), else dequantized in the matmul; "int8-weight-only" =
+# where the backend multiplies int8 natively (CPU, TPU), else dequantized in the matmul; "int8-weight-only" =
 # int8 weights, float activations everywhere.
 QUANTIZATIONS = ("none", "int8", "int8-weight-only")
 LORA_IMPLS = ("auto", "gather", "laned", "grouped", "pallas")  # jlora.kernels.dispatch.CHOICES, without JAX

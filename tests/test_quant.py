@@ -71,7 +71,9 @@ def test_check_quantization_and_activation_modes():
         quant.check_quantization("int4")
     assert quant.activation_mode("none") is None
     assert quant.activation_mode("int8", "cpu") == "int8"  # W8A8 where the int8 dot is fast
-    assert quant.activation_mode("int8", "tpu") == "float"  # dequantized in the matmul elsewhere
+    assert quant.activation_mode("int8", "tpu") == "int8"  # the MXU's native int8
+    assert quant.activation_mode("int8", "gpu") == "float"  # dequantized in the matmul elsewhere
+    assert quant.activation_mode("int8-weight-only", "tpu") == "float"
     assert quant.activation_mode("int8-weight-only", "cpu") == "float"
 
 
@@ -353,3 +355,50 @@ def test_bf16_with_int8_weights(tmp_path):
     ids = np.random.default_rng(6).integers(0, CFG["vocab_size"], (2, 8)).astype(np.int32)
     ref = model_logits(m32, ids)
     assert np.abs(model_logits(m16, ids) - ref).max() < 0.05 * np.abs(ref).max()
+
+
+# ---- lowering for the TPU, without one ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantization", ["int8-weight-only", "int8"])
+def test_quantized_serving_step_lowers_for_tpu(tmp_path, monkeypatch, quantization):
+    """The whole serving step of an int8 bf16 engine, built as on a TPU (jax.default_backend() says
+    "tpu" while it is traced: real bf16 arrays, the Pallas attention kernel, int8 activations for
+    `int8`) and lowered for platforms=["tpu"] with jax.export: every step graph lowers (the kernel
+    through Mosaic); W8A8 multiplies int8 x int8 -> int32 in every projection and the lm head, W8A16
+    never does; the LoRA delta stays bf16. Shapes: the 8B's head_dim 128 and its 4:1 heads."""
+    from jlora import LLM
+    from jlora.bench import tpu
+    from jlora.engine.runner import pack_batch
+
+    monkeypatch.setitem(tpu.SHAPES, "tpu-lowering", dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=128, vocab_size=512, tie_word_embeddings=False))
+    path = tmp_path / "ckpt"
+    tpu.write_checkpoint(path, "tpu-lowering")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    try:
+        llm = LLM(str(path), dtype="bfloat16", quantization=quantization, max_model_len=256, max_num_seqs=8,
+                  max_num_batched_tokens=128, token_buckets=(128,), decode_row_buckets=(8,), max_loras=2,
+                  max_lora_rank=8, warmup=False, progress=False, weights_cache=False, use_compilation_cache=False)
+        runner = llm.engine.runner
+        assert runner.attn_impl == "pallas" and llm.engine._async
+        assert {str(w.dtype) for w in runner._weights} == {"bfloat16", "float32", "int8"}  # no uint16 bits
+        for shape in llm.config.step_shapes():
+            batch = runner.empty_batch(shape)
+            sampling = dict(batch["sampling"])
+            extra = runner._defaults(shape[0], sampling.pop("history").shape[1], sampling.pop("allowed").shape[1])
+            ints, floats, layout = pack_batch({**batch, "sampling": sampling})
+            exp = jax.export.export(runner._step, platforms=["tpu"])(
+                runner._weights, runner.lora.state, runner.cache, ints, floats, *extra, layout=layout,
+                lora_impl="auto", attn_chunk=runner.attn_chunk, attn_impl=runner.attn_impl)
+            text = exp.mlir_module()
+            assert "tpu_custom_call" in text  # the attention kernel, lowered by Mosaic
+            dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
+            int8 = [ln for ln in dots if re.search(r"\(tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>", ln)]
+            # 4 projections in the layer scan + the lm head (+ the prompt-logprob head in a prefill step).
+            assert len(int8) == (0 if quantization == "int8-weight-only" else 5 + (shape[1] > 0)), (shape, int8)
+            # The LoRA shrink (x [T, 256] by every slot's A lanes) multiplies bf16 by bf16.
+            assert any(re.search(r"\(tensor<[0-9x]+xbf16>, tensor<2x256x(8|16|24)xbf16>\)", ln) for ln in dots), shape
+    finally:
+        jax.clear_caches()  # nothing traced as for a TPU is reused by a later test on the CPU

@@ -6,6 +6,7 @@ cache, in float32, bfloat16 and int8; and the host memory it needs, measured in 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -236,3 +237,67 @@ def test_weights_cache_miss_and_hit_stay_within_the_bound(mid_ckpt, tmp_path):
         got = run_worker("new", str(mid_ckpt), "bfloat16", "int8", str(tmp_path / "w"))
         assert got["source"] == "weights_cache"
         assert got["peak_added_bytes"] <= bound(got, layer), (expect, got, layer)
+
+
+# ---- device memory: one layer in flight, never a float copy of the model -------------------------------
+
+
+def live_bytes() -> tuple[int, int]:
+    """(bytes of every live JAX array, the largest live floating-point array's bytes; bf16 kept as
+    uint16 bits on XLA:CPU counts as floating point)."""
+    arrays = [x for x in jax.live_arrays() if not x.is_deleted()]
+    floats = [int(x.nbytes) for x in arrays if jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.uint16]
+    return sum(int(x.nbytes) for x in arrays), max(floats, default=0)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_device_memory_during_the_load_is_the_model_plus_one_layer(mid_ckpt, monkeypatch, quantization):
+    """Every time the loader waits for the device (each non-layer tensor placed, each layer written
+    into the stacks) the live device arrays are at most the finished model plus one layer's pieces
+    above where the load began, and no float array is larger than the model's largest: no bf16 or f32
+    copy of a stack, let alone of the model. (On the CPU the device is host memory; on the TPU the
+    bench's load section reads the same from the chip's peak_bytes_in_use.)"""
+    seen: list[tuple[int, int]] = []
+    real = jax.block_until_ready
+
+    def watch(x):
+        out = real(x)
+        seen.append(live_bytes())
+        return out
+
+    gc.collect()  # earlier tests' arrays go before the baseline
+    monkeypatch.setattr(jax, "block_until_ready", watch)
+    baseline, _ = live_bytes()
+    model, _, _ = load_model(mid_ckpt, jnp.bfloat16, quantization=quantization)
+    monkeypatch.setattr(jax, "block_until_ready", real)
+    layers = model.cfg.num_hidden_layers
+    assert len(seen) >= layers
+    leaves = params(model)
+    final = sum(int(x.nbytes) for x in leaves)
+    layer = sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model.layers, nnx.Param))) // layers
+    largest_float = max(int(x.nbytes) for x in leaves if x.dtype != jnp.int8)
+    peak = max(b for b, _ in seen) - baseline
+    assert peak <= final + layer + 2**20, (peak, final, layer)
+    assert max(f for _, f in seen) <= largest_float
+    if quantization:  # the stacks are int8 from the start: the only float arrays are the embedding and norms
+        assert largest_float == MID["vocab_size"] * MID["hidden_size"] * 2
+
+
+def test_the_engine_adds_no_copy_of_the_streamed_weights(tiny_ckpts):
+    """LLM() (int8, bf16) holds its weights, KV cache and slots once: the live device arrays it adds
+    are what memory_report() counts (the runner uses the streamed arrays as they are)."""
+    from jlora import LLM
+    from jlora.bench.tpu import _write_tokenizer
+
+    path = tiny_ckpts["bfloat16", False]
+    _write_tokenizer(path, TINY["vocab_size"])
+    gc.collect()
+    before, _ = live_bytes()
+    llm = LLM(str(path), dtype="bfloat16", quantization="int8", max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=32, token_buckets=(32,), max_loras=2, max_lora_rank=4, warmup=False,
+              progress=False, weights_cache=False, use_compilation_cache=False)
+    added, _ = live_bytes()
+    report = llm.memory_report()
+    assert report["weights"]["int8_bytes"] > report["weights"]["float_bytes"]
+    # Beyond the report: the rotary table and the runner's few resident step inputs.
+    assert 0 <= added - before - report["total"]["bytes"] < 64 * 1024, (added - before, report["total"])

@@ -1,36 +1,59 @@
 """`jlora bench tpu`: jlora on a TPU chip against the chip's own limits (docs/tpu.md).
 
     jlora bench tpu --shape llama-3.2-1b --dir /tmp/ckpt --out results/ [--sections ...]
+    jlora bench tpu --shape llama-3.1-8b --quantization int8-weight-only \
+        --sections checkpoint,load,qmatmul,engine,agree,warm
 
 Runs where no model hub or default-model package is: it writes a random-weight checkpoint of a
 named shape (HF layout: config.json, safetensors in bfloat16, a word-level tokenizer.json) and
-feeds token-id prompts. Sections (`--sections`, in order):
+feeds token-id prompts. Sections (`--sections`, in the order given):
 
   checkpoint  write the checkpoint (skipped when it is there)
+  load        the streaming loader alone, each load in a fresh process (`--load-modes`): cold (an
+              empty weights cache: hash, convert/quantize, write the cache, stream onto the chip),
+              warm (from the weights cache), direct (no cache: quantized layer by layer from the
+              checkpoint); seconds, peak host RSS above where the load began (and sampled anonymous
+              memory: what is not file pages), device bytes by dtype and the device's peak
   kernel      paged attention alone, the Pallas kernel and the XLA loop inside one jit each,
               against the reference: GB/s of KV read and the fraction of the HBM roofline
-  engine      LLM() on the checkpoint: start-up, the compiled step's HLO checked for whole-cache
-              copies, the workloads of `WORKLOADS` (tok/s, decode ms per step and its fraction of the
-              HBM roofline, prefill's fraction of the MXU peak, TTFT), LoRA overhead, compiles after
-              warm-up, and a profile's top device ops
+  qmatmul     the shape's projections and lm head alone, bf16 / W8A16 / W8A8, inside one jit each:
+              decode rows against the HBM roofline, a prefill chunk against the MXU peak
+  engine      LLM() on the checkpoint with `--quantization`: start-up, the compiled steps' HLO checked
+              for whole-cache copies and their memory, the workloads of `WORKLOADS` (tok/s, decode ms
+              per step and its fraction of the HBM roofline, prefill's fraction of the MXU peak,
+              TTFT), LoRA overhead, compiles after warm-up, and a profile's top device ops
+  agree       int8-weight-only and int8 against bf16 at the 1B shape (its own checkpoint):
+              teacher-forced top-1 agreement and logit differences on a few token-id prompts
   warm        a second process starting the same engine (persistent compile and weights caches)
 
-Roofline arithmetic: a decode step must read every weight once, the KV of every row's context and
-the LoRA slots its rows use; bytes / step time / HBM bandwidth is the fraction. A prefill step
-must do 2 x (matmul parameters) x tokens flops; flops / step time / MXU peak.
-Everything is written to --out as it is measured (results.json, tpu.md, profile.txt).
+One process at a time can hold the chip, so every section that uses it runs in a fresh process of
+its own (kernel, qmatmul and engine, when next to each other, share one); `--in-process` runs them
+all here (the CPU). KV cache: `--max-num-seqs auto` (the default) sizes it to what the chip's
+memory holds after the weights, the LoRA slots and `--kv-headroom-gb` for the step's temporaries
+(`kv_plan`); every sequence gets max_model_len positions.
+
+Roofline arithmetic: a decode step must read every weight once (an untied embedding table only
+for its rows: it is not counted; int8 weights as 1 byte each plus their float32 scales), the KV of
+every row's context and the LoRA slots its rows use; bytes / step time / HBM bandwidth is the
+fraction. A prefill step must do 2 x (matmul parameters) x tokens flops; flops / step time / MXU
+peak (197 TFLOP/s bf16; 394 TOPS for W8A8's int8 projections).
+Everything is written to --out as it is measured (results.json, profile-<shape>-<quantization>.txt).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import glob
 import inspect
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +62,8 @@ import numpy as np
 
 HBM_BYTES_PER_S = 819e9  # TPU v5e
 MXU_FLOPS = 197e12  # TPU v5e, bf16
+MXU_INT8_OPS = 394e12  # TPU v5e, int8
+HBM_BYTES = int(15.75 * 2**30)  # TPU v5e; the chip's own `memory_stats()["bytes_limit"]` wins where there is one
 
 SHAPES: dict[str, dict[str, Any]] = {  # HF config fields; vocabularies as in the issue's measurements
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -50,8 +75,13 @@ SHAPES: dict[str, dict[str, Any]] = {  # HF config fields; vocabularies as in th
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True),  # a CPU dry run
 }
+# Engine sizes per shape where they differ from the bench's defaults: the 8B compiles few graphs
+# (one prefill chunk of 512 tokens, one decode row bucket), each costing tens of seconds.
+SHAPE_ENGINE = {"llama-3.1-8b": dict(max_num_batched_tokens=512, token_buckets=(512,), one_row_bucket=True)}
+AGREE_SHAPE = "llama-3.2-1b"
 
-# (name, requests, prompt tokens, new tokens, adapters: 0 = none, k = k adapters round robin)
+# (name, requests, prompt tokens, new tokens, adapters: 0 = none, k = k adapters round robin).
+# requests None: as many sequences as the engine runs at once (max_num_seqs: what the KV cache holds).
 WORKLOADS = (
     ("64x(1024 in, 256 out), no adapter", 64, 1024, 256, 0),
     ("64x(1024 in, 256 out), 1 adapter", 64, 1024, 256, 1),
@@ -60,59 +90,148 @@ WORKLOADS = (
     ("64x(32 in, 256 out), 4 mixed adapters", 64, 32, 256, 4),
     ("1x(32 in, 256 out), no adapter", 1, 32, 256, 0),
     ("seed: 64x(1024 in, 1024 out), 1 adapter", 64, 1024, 1024, 1),
+    ("seed: Nx(1024 in, 1024 out), 1 adapter", None, 1024, 1024, 1),  # 7: the 8B's, N = what the KV cache holds
+    ("Nx(1024 in, 1024 out), 4 mixed adapters", None, 1024, 1024, 4),
+    ("Nx(1024 in, 256 out), no adapter", None, 1024, 256, 0),
+    ("Nx(1024 in, 256 out), 1 adapter", None, 1024, 256, 1),
+    ("Nx(1024 in, 256 out), 4 mixed adapters", None, 1024, 256, 4),
 )
+# The 8B's: the seed workload, then no adapter and 4 mixed adapters at 256 new tokens (LoRA's cost
+# side by side, a quarter of the decode steps); 8 and 10 on request.
+DEFAULT_WORKLOADS = {"llama-3.1-8b": "7,9,11"}  # else every row that fits max_model_len
+
+
+# ---- memory: what the weights take, and what is left for the KV cache -------------------------------
+
+
+def shape_bytes(cfg: dict[str, Any], dtype_bytes: int = 2, quantization: str = "none", max_loras: int = 4,
+                rank: int = 16) -> dict[str, int]:
+    """Device bytes of a shape's weights as jlora stores them (int8 projections and lm head, or the
+    tied embedding, with float32 per-channel scales; the rest in the dtype), of the bytes a decode
+    step reads of them (all but an untied embedding table), of `max_loras` LoRA slots of `rank` over
+    every packed module, and of one token's K and V. Arithmetic only: no JAX, no device."""
+    d, f, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    h, kvh, dh, v = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
+    q = quantization != "none"
+    packed = {"qkv_proj": (d, 3, (h + 2 * kvh) * dh), "o_proj": (h * dh, 1, d), "gate_up_proj": (d, 2, 2 * f),
+              "down_proj": (f, 1, d)}  # in, sub-modules, out
+    proj = sum(i * o for i, _, o in packed.values())
+    outs = sum(o for _, _, o in packed.values())
+    layer = (proj + 4 * outs if q else proj * dtype_bytes) + 2 * d * dtype_bytes
+    table = v * d + 4 * v if q else v * d * dtype_bytes  # a quantized [V, D] with its row scales
+    tied = cfg["tie_word_embeddings"]
+    embed = table if tied else v * d * dtype_bytes
+    head = 0 if tied else table
+    weights = L * layer + embed + head + d * dtype_bytes + dh // 2 * 4  # + final norm, rotary table
+    lora = L * max_loras * sum(i * s * rank + rank * o for i, s, o in packed.values()) * dtype_bytes
+    return dict(weights=weights, weights_read_per_step=weights - (0 if tied else embed), embedding=embed,
+                lora_slots=lora, kv_per_token=2 * L * kvh * dh * dtype_bytes)
+
+
+def kv_plan(cfg: dict[str, Any], quantization: str, max_model_len: int, block_size: int, max_loras: int, rank: int,
+            hbm_bytes: int, in_use: int = 0, headroom: int = 2 * 10**9, cap: int = 64,
+            dtype_bytes: int = 2) -> dict[str, Any]:
+    """How many max_model_len sequences the KV cache can hold on a device of `hbm_bytes` (`in_use`
+    already taken) after the weights, the LoRA slots and `headroom` for the step's temporaries (a
+    prefill step's activations and its prompt-logprob head over the chunk: ~1 GB at the 8B's
+    512-token chunk), at most `cap`: {"max_num_seqs", "num_kv_blocks", "kv_bytes", ...}. ValueError
+    when not even one sequence fits."""
+    b = shape_bytes(cfg, dtype_bytes, quantization, max_loras, rank)
+    blocks_per_seq = -(-max_model_len // block_size)
+    per_seq = blocks_per_seq * block_size * b["kv_per_token"]
+    free = hbm_bytes - in_use - b["weights"] - b["lora_slots"] - headroom
+    n = min(cap, free // per_seq) if free > 0 else 0
+    if n < 1:
+        raise ValueError(f"not one {max_model_len}-token sequence fits: {hbm_bytes / 1e9:.2f} GB of device memory "
+                         f"({in_use / 1e9:.2f} in use), weights {b['weights'] / 1e9:.2f} GB ({quantization}), LoRA slots "
+                         f"{b['lora_slots'] / 1e9:.2f} GB, headroom {headroom / 1e9:.2f} GB, {per_seq / 1e9:.3f} GB per sequence")
+    return dict(max_num_seqs=int(n), num_kv_blocks=int(n * blocks_per_seq), kv_bytes=int(n * per_seq),
+                hbm_bytes=int(hbm_bytes), in_use=int(in_use), headroom=int(headroom), **b)
 
 
 # ---- the checkpoint ---------------------------------------------------------------------------------
 
 
+POOL_VALUES = 1 << 24  # the random pool every tensor is a slice of (32 MB of bf16)
+WRITE_THREADS = 4  # checkpoint files written at once
+
+
+def checkpoint_tensors(cfg: dict[str, Any]) -> list[tuple[str, list[tuple[str, tuple[int, ...], bool]]]]:
+    """[(file name, [(tensor name, HF shape, random?)])]: the embedding (and lm head, norm) in one
+    file, then four layers per file; `random` False is a norm weight (ones)."""
+    d, f, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    h, kvh, dh, v = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
+    files = [("model-embed.safetensors", [("model.embed_tokens.weight", (v, d), True), ("model.norm.weight", (d,), False)]
+              + ([] if cfg["tie_word_embeddings"] else [("lm_head.weight", (v, d), True)]))]
+    per_file = 4
+    for first in range(0, L, per_file):
+        t = []
+        for i in range(first, min(L, first + per_file)):
+            p = f"model.layers.{i}."
+            t += [(p + "self_attn.q_proj.weight", (h * dh, d), True), (p + "self_attn.k_proj.weight", (kvh * dh, d), True),
+                  (p + "self_attn.v_proj.weight", (kvh * dh, d), True), (p + "self_attn.o_proj.weight", (d, h * dh), True),
+                  (p + "mlp.gate_proj.weight", (f, d), True), (p + "mlp.up_proj.weight", (f, d), True),
+                  (p + "mlp.down_proj.weight", (d, f), True), (p + "input_layernorm.weight", (d,), False),
+                  (p + "post_attention_layernorm.weight", (d,), False)]
+        files.append((f"model-layers-{first:03d}.safetensors", t))
+    return files
+
+
 def write_checkpoint(path: Path, shape: str, seed: int = 0) -> float:
-    """A random bf16 Llama of `shape` at `path` (HF names, one safetensors file per few layers) and a
-    word-level tokenizer; returns seconds. Weights are slices of one random pool (N(0, 0.02)):
-    writing 8B fresh normal draws would take minutes, and their values do not matter here."""
+    """A random bf16 Llama of `shape` at `path` (a real HF checkpoint: config.json, bf16 safetensors
+    shards with HF names and an index, one file per four layers) and a word-level tokenizer; returns
+    seconds. Every weight tensor is a run of one random pool (N(0, 0.02), 2^24 values) from a random
+    offset, written straight from the pool's bytes: no tensor is built in memory, so the 16 GB of an
+    8B checkpoint go at the disk's speed (fresh normal draws for 8B values would take minutes, and
+    the values do not matter here). Files are written under a temporary name and config.json last,
+    so a checkpoint cut off half way is never taken for a whole one."""
+    import struct
+    from concurrent.futures import ThreadPoolExecutor
+
     import ml_dtypes
-    from safetensors.numpy import save_file
 
     t0 = time.perf_counter()
     cfg = dict(SHAPES[shape])
     path.mkdir(parents=True, exist_ok=True)
-    d, f, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    h, kvh, dh, v = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
     rng = np.random.default_rng(seed)
-    pool = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    pool = (rng.standard_normal(POOL_VALUES, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    raw = memoryview(pool.view(np.uint8))
+    files = checkpoint_tensors(cfg)
+    starts = {name: int(rng.integers(0, pool.size)) * 2 for _, ts in files for name, _, _ in ts}
 
-    def rand(*dims: int) -> np.ndarray:
-        n = int(np.prod(dims))
-        reps = -(-n // pool.size)
-        start = int(rng.integers(0, pool.size))
-        flat = np.roll(pool, -start)
-        return (np.tile(flat, reps)[:n] if reps > 1 else flat[:n]).reshape(dims)
+    def write(item: tuple[str, list[tuple[str, tuple[int, ...], bool]]]) -> None:
+        fname, tensors = item
+        header, offset = {}, 0
+        for name, dims, _ in tensors:
+            size = int(np.prod(dims)) * 2
+            header[name] = {"dtype": "BF16", "shape": list(dims), "data_offsets": [offset, offset + size]}
+            offset += size
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        tmp = path / (fname + ".tmp")
+        with open(tmp, "wb", buffering=0) as f:
+            f.write(struct.pack("<Q", len(head)) + head)
+            for name, dims, rand in tensors:
+                if not rand:
+                    f.write(np.ones(dims, ml_dtypes.bfloat16).tobytes())
+                    continue
+                left, at = int(np.prod(dims)) * 2, starts[name]
+                while left:
+                    piece = raw[at: at + left]
+                    f.write(piece)
+                    left -= len(piece)
+                    at = 0
+        os.replace(tmp, path / fname)
 
-    ones = lambda n: np.ones((n,), ml_dtypes.bfloat16)  # noqa: E731
-    index: dict[str, str] = {}
-    files: list[tuple[str, dict[str, np.ndarray]]] = [("model-embed.safetensors", {
-        "model.embed_tokens.weight": rand(v, d), "model.norm.weight": ones(d),
-        **({} if cfg["tie_word_embeddings"] else {"lm_head.weight": rand(v, d)})})]
-    per_file = 4
-    for first in range(0, L, per_file):
-        t: dict[str, np.ndarray] = {}
-        for i in range(first, min(L, first + per_file)):
-            p = f"model.layers.{i}."
-            t.update({p + "self_attn.q_proj.weight": rand(h * dh, d), p + "self_attn.k_proj.weight": rand(kvh * dh, d),
-                      p + "self_attn.v_proj.weight": rand(kvh * dh, d), p + "self_attn.o_proj.weight": rand(d, h * dh),
-                      p + "mlp.gate_proj.weight": rand(f, d), p + "mlp.up_proj.weight": rand(f, d),
-                      p + "mlp.down_proj.weight": rand(d, f), p + "input_layernorm.weight": ones(d),
-                      p + "post_attention_layernorm.weight": ones(d)})
-        files.append((f"model-layers-{first:03d}.safetensors", t))
-    for name, tensors in files:
-        save_file(tensors, str(path / name))
-        index.update({k: name for k in tensors})
+    with ThreadPoolExecutor(WRITE_THREADS) as ex:
+        list(ex.map(write, files))
+    index = {name: fname for fname, ts in files for name, _, _ in ts}
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    _write_tokenizer(path, cfg["vocab_size"])
     (path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
         "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
         "hidden_act": "silu", **cfg}))
-    _write_tokenizer(path, v)
     return time.perf_counter() - t0
 
 
@@ -353,7 +472,7 @@ def _matmul_params(cfg: Any) -> int:
 
 
 def run_workload(llm: Any, log: StepLog, name: str, n: int, prompt_len: int, new: int, loras: list[Any],
-                 seed: int, phases: HostPhases | None = None) -> dict[str, Any]:
+                 seed: int, mxu_peak: float = MXU_FLOPS, phases: HostPhases | None = None) -> dict[str, Any]:
     from jlora import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -384,7 +503,8 @@ def run_workload(llm: Any, log: StepLog, name: str, n: int, prompt_len: int, new
     row = dict(workload=name, requests=n, prompt=prompt_len, new=new, adapters=len(loras), seconds=wall,
                engine_decode_ms=engine_ms,
                tok_s=generated / wall, generated=generated, ttft_p50=float(np.median(ttft)), ttft_max=float(ttft[-1]),
-               prefill_steps=len(pre), prefill_s=pre_s, prefill_mxu_fraction=flops / pre_s / MXU_FLOPS if pre_s else 0.0,
+               prefill_steps=len(pre), prefill_s=pre_s, prefill_mxu_fraction=flops / pre_s / mxu_peak if pre_s else 0.0,
+               mxu_peak=mxu_peak,
                **log.decode_summary(recs), **(phases.summary(first_call) if phases is not None else {}))
     print(f"  {name}: {row['tok_s']:.0f} tok/s, decode {row.get('decode_ms_median', 0):.2f} ms/step "
           f"(engine {engine_ms:.2f}) "
@@ -413,6 +533,18 @@ def whole_cache_copies(llm: Any) -> dict[str, Any]:
                 step_graphs_checked=len(found))
 
 
+def whole_weight_copies(llm: Any) -> list[str]:
+    """Copies, transposes and copy fusions in the compiled step graphs that produce a whole stacked
+    weight ([L, ...]) or the embedding/head: XLA:TPU re-laying out a weight it was handed (an int8
+    [L, out, in] stack, say) would cost a full read and write of it, and its memory, every step."""
+    from jlora.engine.runner import whole_cache_copies as find
+
+    runner = llm.engine.runner
+    shapes = {tuple(w.shape) for w in runner._weights if w.ndim >= 2 and w.shape[0] > 1}
+    return [c for exe in runner._executables.values() for text in [exe.as_text()] for shape in shapes
+            for c in find(text, shape)]
+
+
 def profile_top(trace_dir: str, n: int = 20) -> str:
     """Device time per XLA module and the top device ops of the newest trace under trace_dir."""
     from jax.profiler import ProfileData
@@ -437,65 +569,187 @@ def profile_top(trace_dir: str, n: int = 20) -> str:
     return "\n".join(lines) or "no device plane"
 
 
+def run_tag(args: argparse.Namespace) -> str:
+    """The key results of one shape and quantization live under in results.json."""
+    return f"{args.shape}/{args.quantization}"
+
+
+def _oom(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}"
+    return any(k in text for k in ("RESOURCE_EXHAUSTED", "Ran out of memory", "out of memory", "OOM"))
+
+
+def device_memory() -> dict[str, int]:
+    """The first device's allocator stats (bytes_in_use, peak_bytes_in_use, bytes_limit, ...); {} on
+    backends without them (XLA:CPU)."""
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 (a backend without memory stats)
+        stats = {}
+    return {k: int(v) for k, v in stats.items() if isinstance(v, (int, float))}
+
+
+def engine_sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """max_num_seqs, num_kv_blocks, buckets for LLM(): `--max-num-seqs auto` sizes the KV cache with
+    `kv_plan` from the device's bytes_limit (or the v5e's HBM where the backend has no stats) and
+    what is already in use."""
+    eng = SHAPE_ENGINE.get(args.shape, {})
+    batched = args.max_num_batched_tokens or eng.get("max_num_batched_tokens", 1024)
+    buckets = args.token_buckets or eng.get("token_buckets") or tuple(b for b in (32, 128, 1024) if b < batched) + (batched,)
+    plan: dict[str, Any] = {}
+    if args.max_num_seqs == "auto":
+        mem = device_memory()
+        plan = kv_plan(SHAPES[args.shape], args.quantization, args.max_model_len, args.block_size, 4, args.rank,
+                       mem.get("bytes_limit", HBM_BYTES), mem.get("bytes_in_use", 0),
+                       int(args.kv_headroom_gb * 1e9), cap=args.max_seqs_cap)
+        n = plan["max_num_seqs"]
+    else:
+        n = int(args.max_num_seqs)
+    rows = args.decode_row_buckets or ((n,) if eng.get("one_row_bucket") else tuple(sorted({1, n})))
+    return dict(max_num_seqs=n, num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=batched,
+                token_buckets=tuple(buckets), decode_row_buckets=tuple(rows), plan=plan)
+
+
+def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_impl: str | None = None) -> Any:
+    from jlora import LLM
+
+    extra: dict[str, Any] = {}
+    attn_impl = attn_impl or args.attn_impl
+    if attn_impl != "auto":
+        extra["attn_impl"] = attn_impl
+    if args.async_scheduling != "auto":
+        extra["async_scheduling"] = args.async_scheduling == "on"
+    if args.attn_chunk is not None:
+        extra["attn_chunk"] = args.attn_chunk
+    if sizes.get("num_kv_blocks"):
+        extra["num_kv_blocks"] = sizes["num_kv_blocks"]
+    return LLM(str(ckpt), dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
+               max_num_seqs=sizes["max_num_seqs"], max_num_batched_tokens=sizes["max_num_batched_tokens"],
+               token_buckets=sizes["token_buckets"], decode_row_buckets=sizes["decode_row_buckets"], max_loras=4,
+               max_lora_rank=args.rank, lora_impl=args.lora_impl, block_size=args.block_size,
+               weights_cache=str(weights_cache_dir(args)), progress=False, **extra)
+
+
+def weights_cache_dir(args: argparse.Namespace) -> Path:
+    return Path(args.dir) / "weights"
+
+
+def step_memory(llm: Any) -> dict[str, dict[str, int]]:
+    """Each compiled step graph's memory as XLA planned it (temporaries, arguments, outputs, aliased)."""
+    out = {}
+    for shape, exe in llm.engine.runner._executables.items():
+        try:
+            m = exe.memory_analysis()
+            out[str(shape)] = {k: int(getattr(m, k)) for k in ("temp_size_in_bytes", "argument_size_in_bytes",
+                                                               "output_size_in_bytes", "alias_size_in_bytes")
+                               if hasattr(m, k)}
+        except Exception as e:  # noqa: BLE001 (a backend without the analysis)
+            out[str(shape)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return out
+
+
 def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
     import jax
 
-    from jlora import LLM, LoRARequest, compile_stats
+    from jlora import LoRARequest, compile_stats
 
-    def start(attn_impl: str) -> Any:
-        extra = {} if attn_impl == "auto" else dict(attn_impl=attn_impl)  # an older jlora has neither of these
-        if args.async_scheduling != "auto":
-            extra["async_scheduling"] = args.async_scheduling == "on"
-        if args.attn_chunk is not None:
-            extra["attn_chunk"] = args.attn_chunk
-        return LLM(str(ckpt), dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, token_buckets=args.token_buckets,
-                   decode_row_buckets=args.decode_row_buckets, max_loras=4, max_lora_rank=args.rank,
-                   lora_impl=args.lora_impl, block_size=args.block_size,
-                   progress=False, **extra)
-
-    t0 = time.perf_counter()
+    tag = run_tag(args)
+    res = results.setdefault(tag, {})
     try:
-        llm = start(args.attn_impl)
-    except Exception as e:  # say why, and measure the rest with the XLA attention
-        print(f"engine with attn_impl={args.attn_impl} FAILED: {type(e).__name__}: {str(e)[:3000]}", flush=True)
-        results["engine_error"] = f"{type(e).__name__}: {str(e)[:3000]}"
+        sizes = engine_sizes(args)
+    except ValueError as e:  # the model does not fit this device at all
+        print(f"engine {tag}: skipped: {e}", flush=True)
+        res["engine_skipped"] = str(e)
+        _save(out, results)
+        return
+    print(f"engine {tag}: max_num_seqs {sizes['max_num_seqs']}, token buckets {sizes['token_buckets']}, decode row "
+          f"buckets {sizes['decode_row_buckets']}" + (f", KV plan {json.dumps(sizes['plan'])}" if sizes["plan"] else ""),
+          flush=True)
+    t0 = time.perf_counter()
+    llm, failed = None, None
+    for attempt in range(3):
+        try:
+            llm = make_llm(ckpt, args, sizes, attn_impl=None if failed is None else "xla")
+            break
+        except Exception as e:  # noqa: BLE001 (say why, then try smaller, or the XLA attention)
+            failed = f"{type(e).__name__}: {str(e)[:3000]}"
+            oom = _oom(e)
+        gc.collect()  # the failed engine's arrays go before the next try
+        print(f"engine {tag} (max_num_seqs {sizes['max_num_seqs']}, attn_impl {args.attn_impl}) FAILED: {failed}",
+              flush=True)
+        res.setdefault("engine_errors", []).append(failed)
+        _save(out, results)
+        if oom:  # a quarter fewer sequences; the XLA attention only for a non-memory failure
+            failed = None
+            sizes["max_num_seqs"] = max(1, sizes["max_num_seqs"] * 3 // 4)
+            sizes["decode_row_buckets"] = tuple(sorted({min(r, sizes["max_num_seqs"]) for r in sizes["decode_row_buckets"]}))
+            sizes["num_kv_blocks"] = None
+        elif args.attn_impl == "xla":
+            raise RuntimeError(f"engine {tag} failed: {failed}")
         t0 = time.perf_counter()
-        llm = start("xla")
+    if llm is None:
+        raise RuntimeError(f"engine {tag} failed three times; last: {failed}")
     start_s = time.perf_counter() - t0
     runner = llm.engine.runner
     cfg = runner.cfg
+    n = llm.config.max_num_seqs
+    leaves, _ = jax.tree_util.tree_flatten_with_path(runner.state)
     weight_bytes = sum(int(w.nbytes) for w in runner._weights)
+    embed_bytes = sum(int(w.nbytes) for path, w in leaves if "embed_tokens" in jax.tree_util.keystr(path))
+    # A decode step reads the whole of every weight but an untied embedding table (only its rows).
+    step_weight_bytes = weight_bytes - (0 if cfg.tie_word_embeddings else embed_bytes)
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * runner.cache["k"].dtype.itemsize
     slot_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(runner.lora.state)) // llm.config.max_loras
-    eng = dict(shape=args.shape, start_s=start_s, startup_breakdown_s=getattr(llm, "startup_seconds", None), attn_impl=getattr(runner, "attn_impl", "xla (before)"),
+    report = llm.memory_report()
+    eng = dict(shape=args.shape, quantization=args.quantization, activations=report["weights"].get("activations"),
+               start_s=start_s, startup_seconds=getattr(llm, "startup_seconds", {}),
+               weights_cache_hit=getattr(llm, "weights_cache_hit", None),
+               attn_impl=getattr(runner, "attn_impl", "xla (before)"),
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
-               lora_impl=args.lora_impl,
-               graphs=llm.config.num_step_graphs, weight_bytes=weight_bytes, config=str(llm.config),
-               devices=str(jax.devices()), jax=jax.__version__)
+               lora_impl=args.lora_impl, max_num_seqs=n, num_kv_blocks=llm.config.num_kv_blocks,
+               kv_cache_tokens=llm.config.kv_capacity_tokens, token_buckets=list(llm.config.token_buckets),
+               decode_row_buckets=list(llm.config.decode_row_buckets), max_num_batched_tokens=llm.config.max_num_batched_tokens,
+               kv_plan=sizes["plan"], graphs=llm.config.num_step_graphs, weight_bytes=weight_bytes,
+               weight_bytes_per_step=step_weight_bytes, memory_report=report, device_memory=device_memory(),
+               step_memory=step_memory(llm), config=str(llm.config), devices=str(jax.devices()), jax=jax.__version__)
     eng.update(whole_cache_copies(llm))
-    print(f"engine: started in {start_s:.1f} s, attn {eng['attn_impl']}, {eng['graphs']} step graphs, "
-          f"whole-cache copies in the decode step: {len(eng['whole_cache_copies'])}", flush=True)
-    results["engine"] = eng
+    eng["whole_weight_copies"] = whole_weight_copies(llm)
+    print(f"engine {tag}: started in {start_s:.1f} s (weights cache hit: {eng['weights_cache_hit']}), attn "
+          f"{eng['attn_impl']}, {eng['graphs']} step graphs, {n} sequences x {args.max_model_len} positions of KV "
+          f"({report['kv_cache']['bytes'] / 1e9:.2f} GB), weights {weight_bytes / 1e9:.2f} GB "
+          f"({step_weight_bytes / 1e9:.2f} GB read per decode step), device memory {eng['device_memory']}, "
+          f"whole-cache copies in the step graphs: {len(eng['whole_cache_copies'])}, whole-weight copies: "
+          f"{len(eng['whole_weight_copies'])} {eng['whole_weight_copies'][:4]}", flush=True)
+    print(f"  step graphs' memory: {json.dumps(eng['step_memory'])}", flush=True)
+    res["engine"] = eng
     _save(out, results)
 
-    log = StepLog(runner, weight_bytes, kv_per_token, slot_bytes)
+    mxu = MXU_INT8_OPS if eng["activations"] == "int8" else MXU_FLOPS
+    log = StepLog(runner, step_weight_bytes, kv_per_token, slot_bytes)
     phases = HostPhases(llm.engine) if hasattr(runner, "launch") else None  # an older jlora: no phases
-    adapters = make_adapters(cfg, 4, args.rank, Path(args.dir) / "adapters")
+    adapters = make_adapters(cfg, 4, args.rank, Path(args.dir) / f"adapters-{args.shape}")
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     compiles_before = compile_stats.compile_count()
-    rows = results.setdefault("workloads", [])
-    names = set(args.workloads.split(",")) if args.workloads else None
-    for i, (name, n, plen, new, k) in enumerate(WORKLOADS):
-        if names is not None and str(i) not in names:
+    rows = res.setdefault("workloads", [])
+    names = args.workloads or DEFAULT_WORKLOADS.get(args.shape, "")
+    picked = set(names.split(",")) if names else None
+    for i, (name, count, plen, new, k) in enumerate(WORKLOADS):
+        if picked is not None and str(i) not in picked:
             continue
         if plen + new > args.max_model_len:
             continue
-        rows.append(run_workload(llm, log, name, n, plen, new, loras[:k], seed=i, phases=phases))
+        count = n if count is None else count
+        row = run_workload(llm, log, name.replace("Nx", f"{count}x"), count, plen, new, loras[:k], seed=i, mxu_peak=mxu,
+                           phases=phases)
+        rows.append({**row, "quantization": args.quantization, "max_num_seqs": n})
         _save(out, results)
     eng["compiles_after_warmup"] = compile_stats.compile_count() - compiles_before
-    print(f"compiles after warm-up: {eng['compiles_after_warmup']}", flush=True)
-    if hasattr(llm.engine, "_async"):  # the same greedy requests with and without async scheduling
+    eng["device_memory_after_workloads"] = device_memory()  # its peak: what the steps' temporaries took
+    print(f"compiles after warm-up: {eng['compiles_after_warmup']}; device memory {eng['device_memory_after_workloads']}",
+          flush=True)
+    if hasattr(llm.engine, "_async") and not args.quick:  # the same greedy requests with and without async scheduling
         from jlora import SamplingParams as SP
 
         rng = np.random.default_rng(7)
@@ -509,18 +763,21 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
         llm.engine._async = eng["async_default"]
         eng["async_equals_sync"] = got[True] == got[False]
         print(f"async scheduling gives the same tokens as sync: {eng['async_equals_sync']}", flush=True)
+    _save(out, results)
+    if args.quick:
+        return
 
-    # A profile of decode-heavy steps: 64 rows at ~1K context.
+    # A profile of decode-heavy steps: every row at ~1K context.
     trace = tempfile.mkdtemp(prefix="jlora-trace-")
     from jlora import SamplingParams
 
     # Long enough that every row still decodes in the traced steps: the first rows start decoding
     # while the last prompts are prefilled (one ~1K-token chunk a step).
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_num_seqs + 40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=n + 40, ignore_eos=True)
     rng = np.random.default_rng(99)
     plen = min(1000, args.max_model_len - 32)
     ids = [llm.engine.add_request({"prompt_token_ids": rng.integers(3, cfg.vocab_size, plen).tolist()}, params,
-                                  loras[i % 4]) for i in range(args.max_num_seqs)]
+                                  loras[i % 4]) for i in range(n)]
     # The prefill steps get a trace of their own (where a 1,024-token chunk's time goes).
     prefill_trace = tempfile.mkdtemp(prefix="jlora-trace-prefill-")
     jax.profiler.start_trace(prefill_trace)
@@ -528,39 +785,418 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
         llm.engine.step()
     jax.profiler.stop_trace()
     top = profile_top(prefill_trace)
-    (out / "profile_prefill.txt").write_text(top)
+    (out / f"profile-prefill-{args.shape}-{args.quantization}.txt").write_text(top)
     print("== prefill steps\n" + top, flush=True)
     jax.profiler.start_trace(trace)
     for _ in range(20):
         llm.engine.step()
     jax.profiler.stop_trace()
-    results["profile_rows"] = len(llm.engine.running)
+    eng["profile_rows"] = len(llm.engine.running)
     while llm.engine.has_unfinished():
         llm.engine.step()
     top = profile_top(trace)
-    (out / "profile.txt").write_text(top)
+    (out / f"profile-{args.shape}-{args.quantization}.txt").write_text(top)
     print(top, flush=True)
     _save(out, results)
 
 
+# ---- the loader alone, each load in a process of its own ----------------------------------------------
+
+
+class RssSampler:
+    """This process's resident set sampled every few ms in a thread (Linux /proc/self/status): the peak
+    of VmRSS and of its anonymous part (RssAnon: what is not file or shared pages) above where it
+    started. Fields a kernel (or gVisor) does not report stay None."""
+
+    FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+    def __init__(self, every_s: float = 0.005):
+        self.every_s = every_s
+        self.start_values = self._read()
+        self.peak = dict(self.start_values)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @classmethod
+    def _read(cls) -> dict[str, int | None]:
+        got: dict[str, int | None] = {k: None for k in cls.FIELDS}
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    key = line.split(":", 1)[0]
+                    if key in got:
+                        got[key] = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return got
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            for k, v in self._read().items():
+                if v is not None:
+                    self.peak[k] = max(self.peak[k] or 0, v)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def result(self) -> dict[str, int | None]:
+        out: dict[str, int | None] = {}
+        for k in self.FIELDS:
+            s, p = self.start_values[k], self.peak[k]
+            out[f"sampled_peak_{k}"] = p
+            out[f"sampled_peak_added_{k}"] = None if s is None or p is None else p - s
+        return out
+
+
+def load_child(args: argparse.Namespace) -> int:
+    """One load of the checkpoint (`--load-child cold|warm|direct`) in this fresh process; prints
+    `RESULT {json}` (see `bench_load`)."""
+    t0 = time.perf_counter()
+    import jax
+    from flax import nnx
+
+    from jlora.models import weights_cache as wc
+    from jlora.models.random_checkpoint import measure_load
+
+    jax.devices()
+    init_s = time.perf_counter() - t0
+    ckpt = Path(args.dir) / args.shape
+    mode = args.load_child
+    q = None if args.quantization == "none" else args.quantization
+    cache_dir = weights_cache_dir(args) if mode in ("cold", "warm") else False
+    hash_s = 0.0
+    if cache_dir:  # the sources' digests (memoized under the cache): a cold load's first step, timed apart
+        th = time.perf_counter()
+        wc.model_key(ckpt, np.dtype(_np_dtype(args.dtype)), wc.open_cache(cache_dir), q)
+        hash_s = time.perf_counter() - th
+    with RssSampler() as rss:
+        model, stats = measure_load(ckpt, args.dtype, q, weights_cache=cache_dir)
+    mem = device_memory()
+    by_dtype: dict[str, int] = collections.Counter()
+    largest_float = 0
+    for x in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        by_dtype[str(x.dtype)] += int(x.nbytes)
+        if x.dtype not in (np.int8,):
+            largest_float = max(largest_float, int(x.nbytes))
+    res = dict(mode=mode, shape=args.shape, quantization=args.quantization, dtype=args.dtype,
+               seconds_with_hash=stats["seconds"] + hash_s, hash_s=hash_s, jax_init_s=init_s, **stats,
+               **rss.result(), device_bytes_by_dtype=dict(by_dtype), largest_float_array_bytes=largest_float,
+               device_memory=mem,
+               device_peak_over_final_bytes=(mem["peak_bytes_in_use"] - mem["bytes_in_use"]
+                                             if "peak_bytes_in_use" in mem and "bytes_in_use" in mem else None),
+               cpu_count=os.cpu_count())
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+def _np_dtype(name: str) -> Any:
+    import ml_dtypes
+
+    return {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[name]
+
+
+def bench_load(args: argparse.Namespace, out: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """Each of `--load-modes` in a fresh process (`load_child`): cold first (the weights cache
+    emptied), then warm (filled by cold), direct (no cache)."""
+    tag = run_tag(args)
+    res = results.setdefault(tag, {}).setdefault("load", {})
+    need = shape_bytes(SHAPES[args.shape], 2 if args.dtype == "bfloat16" else 4, args.quantization)["weights"]
+    if need > HBM_BYTES:  # one v5e chip's memory
+        res["skipped"] = f"{need / 1e9:.2f} GB of weights do not fit {HBM_BYTES / 1e9:.2f} GB of HBM"
+        print(f"load {tag}: skipped: {res['skipped']}", flush=True)
+        return results
+    for mode in args.load_modes.split(","):
+        if mode == "cold":
+            shutil.rmtree(weights_cache_dir(args), ignore_errors=True)
+        argv = ["--shape", args.shape, "--dir", args.dir, "--out", args.out, "--dtype", args.dtype,
+                "--quantization", args.quantization, "--load-child", mode]
+        rc, tail = run_child(argv, f"load {mode}")
+        got = [json.loads(ln[len("RESULT "):]) for ln in tail if ln.startswith("RESULT ")]
+        results = _load_results(out)
+        res = results.setdefault(tag, {}).setdefault("load", {})
+        if rc or not got:
+            res[mode] = {"error": f"rc {rc}", "tail": tail[-30:]}
+        else:
+            r = got[-1]
+            res[mode] = r
+            gb = lambda v: "n/a" if v is None else f"{v / 1e9:.2f} GB"  # noqa: E731
+            print(f"load {tag} {mode}: {r['seconds']:.1f} s (+{r['hash_s']:.1f} s hashing the checkpoint), peak host "
+                  f"RSS +{gb(r['peak_added_bytes'])} above the start (reset: {r['peak_reset']}; sampled: VmRSS "
+                  f"+{gb(r['sampled_peak_added_VmRSS'])}, anonymous +{gb(r['sampled_peak_added_RssAnon'])}), device "
+                  f"{gb(r['device_bytes'])} {r['device_bytes_by_dtype']}, device peak over final "
+                  f"{gb(r['device_peak_over_final_bytes'])}, JAX start {r['jax_init_s']:.1f} s", flush=True)
+        _save(out, results)
+    return results
+
+
+# ---- the quantized projections alone ------------------------------------------------------------------
+
+
+QMATMUL_MODES = ("bf16", "w8a16", "w8a16-mixed", "w8a8")
+
+
+def bench_qmatmul(cfg: dict[str, Any], rows: tuple[int, ...], reps: int = 20,
+                  modes: tuple[str, ...] = QMATMUL_MODES) -> list[dict[str, Any]]:
+    """Each projection of `cfg` (qkv, gate_up, down, and the lm head) at each row count, as the model
+    multiplies it (`quant.linear`, `quant.lm_head`): bf16 weights, int8 weights widened in the matmul
+    (W8A16: jlora's form, `q.astype(bf16)` then the dot), the same as one mixed bf16 x int8
+    `dot_general` (w8a16-mixed: XLA widens where it likes; not jlora's form yet, measured to decide),
+    and int8 x int8 (W8A8), `reps` calls inside one jit. A projection's weight is sliced from a
+    stack of 2 by the loop index (as the layer scan does), so XLA cannot hoist its conversion out of
+    the loop; the whole output feeds the next input. Weight bytes / time against the HBM roofline,
+    flops / time against the MXU peak (int8's for W8A8)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jlora.models import quant
+
+    d, f = cfg["hidden_size"], cfg["intermediate_size"]
+    h, kvh, dh, v = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
+    projs = {"qkv_proj": (d, (h + 2 * kvh) * dh), "gate_up_proj": (d, 2 * f), "down_proj": (f, d), "lm_head": (d, v)}
+    out: list[dict[str, Any]] = []
+    key = jax.random.PRNGKey(0)
+    for name, (din, dout) in projs.items():
+        head = name == "lm_head"
+        stack = 1 if head else 2
+        k1, k2, key = jax.random.split(key, 3)
+        for mode in modes:
+            if mode == "bf16":  # float weights: [in, out] (the head as rows [V, D])
+                shape = (stack, dout, din) if head else (stack, din, dout)
+                w = jax.random.normal(k1, shape, jnp.bfloat16) * jnp.bfloat16(0.02)
+                wbytes = din * dout * 2
+            else:
+                q = jax.random.randint(k1, (stack, dout, din), -127, 128, jnp.int8)
+                w = quant.QArray(q, jnp.full((stack, dout), 1e-3, jnp.float32), "int8" if mode == "w8a8" else "float")
+                wbytes = din * dout + 4 * dout
+
+            def call(x, w, i, mode=mode):
+                wi = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i % stack, 0, keepdims=False), w)
+                if mode == "w8a16-mixed":  # x bf16 [T, in] . q int8 [out, in]: one mixed-dtype dot
+                    y = jax.lax.dot_general(x, wi.q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    return (y * wi.scale).astype(jnp.float32 if head else x.dtype)
+                return quant.lm_head(x, wi) if head else quant.linear(x, wi)
+
+            for t in rows:
+                x0 = jax.random.normal(k2, (t, din), jnp.bfloat16)
+
+                @jax.jit
+                def loop(x, w):
+                    def body(i, xc):
+                        y = call(xc, w, i)
+                        return xc + (jnp.sum(y.astype(jnp.float32)) * 1e-12).astype(xc.dtype)
+                    return jax.lax.fori_loop(0, reps, body, x)
+
+                try:
+                    loop(x0, w).block_until_ready()
+                    t0 = time.perf_counter()
+                    loop(x0, w).block_until_ready()
+                    dt = (time.perf_counter() - t0) / reps
+                except Exception as e:  # noqa: BLE001 (a mode the chip refuses: say so, measure the rest)
+                    print(f"  qmatmul {name} {mode} T={t}: FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
+                    out.append(dict(proj=name, mode=mode, rows=t, error=f"{type(e).__name__}: {str(e)[:1500]}"))
+                    continue
+                flops = 2 * t * din * dout
+                peak = MXU_INT8_OPS if mode == "w8a8" else MXU_FLOPS
+                row = dict(proj=name, mode=mode, rows=t, din=din, dout=dout, us=dt * 1e6, weight_bytes=wbytes,
+                           gb_s=wbytes / dt / 1e9, hbm_fraction=wbytes / dt / HBM_BYTES_PER_S,
+                           tflops=flops / dt / 1e12, mxu_fraction=flops / dt / peak)
+                out.append(row)
+                print(f"  qmatmul {name:12s} {mode:11s} T={t:5d}: {dt * 1e6:9.1f} us, {row['gb_s']:6.1f} GB/s of weights "
+                      f"({row['hbm_fraction']:.0%} of HBM), {row['tflops']:6.1f} TFLOP/s ({row['mxu_fraction']:.0%} of "
+                      f"{'int8' if mode == 'w8a8' else 'bf16'} MXU)", flush=True)
+            del w
+    return out
+
+
+# ---- int8 against bf16 ---------------------------------------------------------------------------------
+
+
+def teacher_forced_logits(model: Any, ids: np.ndarray) -> np.ndarray:
+    """f32[B, T, V] logits of `model` over token rows `ids` i32[B, T] (one jitted forward)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jlora.models import init_cache, quant
+
+    graphdef, state = nnx.split(model)
+    b, t = ids.shape
+
+    @jax.jit
+    def fwd(state, ids):
+        m = nnx.merge(graphdef, state)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        logits, _ = m(ids, pos, init_cache(m.cfg, b, t, quant.storage_dtype(m.dtype)))
+        return logits
+
+    return np.asarray(fwd(state, jnp.asarray(ids)))
+
+
+def bench_agree(ckpt: Path, dtype: str = "bfloat16", batch: int = 4, length: int = 128,
+                modes: tuple[str, ...] = ("int8-weight-only", "int8"), seed: int = 0) -> dict[str, Any]:
+    """int8 modes against `dtype` on the same checkpoint: teacher-forced over `batch` random token-id
+    prompts of `length` tokens, every position's top-1 agreement (what greedy decoding would pick
+    next from the same prefix), max and mean |logit difference|, and the reference logits' spread and
+    median margin between its two best (random weights give flat logits: near-ties make top-1
+    agreement a hard measure here; tests/test_dtypes_real.py states it on a real model)."""
+    import jax
+
+    from jlora.models.loading import load_model
+
+    dtypes = {"float32": np.float32, "bfloat16": _np_dtype("bfloat16")}
+    logits: dict[str, np.ndarray] = {}
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    ids = np.random.default_rng(seed).integers(3, vocab, (batch, length)).astype(np.int32)
+    timing = {}
+    for mode in ("none", *modes):
+        t0 = time.perf_counter()
+        model, _, _ = load_model(ckpt, dtypes[dtype], quantization=None if mode == "none" else mode)
+        logits[mode] = teacher_forced_logits(model, ids)
+        timing[mode] = time.perf_counter() - t0
+        del model
+        gc.collect()
+    ref = logits["none"]
+    top = ref.max(-1, keepdims=True)
+    second = np.where(ref < top, ref, -np.inf).max(-1, keepdims=True)  # the best logit below the top one
+    out: dict[str, Any] = dict(dtype=dtype, prompts=batch, tokens=length, devices=str(jax.devices()), seconds=timing,
+                               ref_logit_std=float(ref.std()), ref_top2_margin_median=float(np.median(top - second)))
+    for mode in modes:
+        diff = np.abs(logits[mode] - ref)
+        out[mode] = dict(top1=float(np.mean(logits[mode].argmax(-1) == ref.argmax(-1))), dlogit_max=float(diff.max()),
+                         dlogit_mean=float(diff.mean()))
+        print(f"  agree {mode} vs {dtype}: teacher-forced top-1 {out[mode]['top1']:.1%}, |dlogit| max "
+              f"{out[mode]['dlogit_max']:.3f} mean {out[mode]['dlogit_mean']:.4f} (logit std {out['ref_logit_std']:.3f}, "
+              f"median top-2 margin {out['ref_top2_margin_median']:.4f})", flush=True)
+    return out
+
+
+# ---- processes -------------------------------------------------------------------------------------------
+
+
+def agree_checkpoint(args: argparse.Namespace) -> Path:
+    """The agree section's checkpoint: every value a fresh draw (`write_random_checkpoint`), since the
+    pool the bench's writer slices repeats rows (a head of 49,152 x 2,048 from 2^24 values has each
+    row 6 times), which would tie logits exactly."""
+    return Path(args.dir) / f"{args.agree_shape}-agree"
+
+
+def run_child(argv: list[str], tag: str, retries: int = 1) -> tuple[int, list[str]]:
+    """`python -m jlora.bench.tpu ARGV` in a fresh process, its output echoed with `tag`; (rc, its last
+    lines). A start refused because the chip is still held (it can be, just after another process
+    ends) is tried again after 5 s."""
+    cmd = [sys.executable, "-m", "jlora.bench.tpu", *argv]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for attempt in range(retries + 1):
+        time.sleep(1.0)  # the previous process's hold on the chip goes first
+        print(f"[{tag}] {' '.join(cmd)}", flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        tail: collections.deque[str] = collections.deque(maxlen=400)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(f"[{tag}] {line}", end="", flush=True)
+            tail.append(line.rstrip("\n"))
+        rc = proc.wait()
+        print(f"[{tag}] exit {rc} after {time.perf_counter() - t0:.1f} s", flush=True)
+        busy = any(k in ln for ln in tail for k in ("lockfile", "TPU in use", "already in use", "Unable to initialize backend 'tpu'"))
+        if rc == 0 or attempt == retries or not busy:
+            return rc, list(tail)
+        time.sleep(5.0)
+    return rc, list(tail)
+
+
+def machine() -> dict[str, Any]:
+    """What the host has (cores, memory, free disk where the checkpoints go): a run's context."""
+    info: dict[str, Any] = {"cpu_count": os.cpu_count()}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in ("MemTotal", "MemAvailable"):
+                    info[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for where in ("/tmp", "/dev/shm"):
+        try:
+            info[f"disk_free_{where}"] = shutil.disk_usage(where).free
+        except OSError:
+            pass
+    return info
+
+
+def _load_results(out: Path) -> dict[str, Any]:
+    f = out / "results.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
 def _save(out: Path, results: dict[str, Any]) -> None:
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    os.replace(tmp, out / "results.json")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _argv_without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv with each `--flag VALUE` / `--flag=VALUE` of `flags` (and bare `--in-process`) removed."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True
+            continue
+        if any(a.startswith(f + "=") for f in flags) or a == "--in-process":
+            continue
+        out.append(a)
+    return out
+
+
+def plan_processes(sections: list[str]) -> list[list[str]]:
+    """The sections in order, cut into processes: checkpoint and load run here (load starts its own);
+    kernel, qmatmul, agree and engine next to each other share one fresh process, except that nothing
+    follows the engine in its process (its engine holds the chip's memory); warm always gets its own."""
+    groups: list[list[str]] = []
+    for s in sections:
+        last = groups[-1] if groups else None
+        if (s in ("kernel", "qmatmul", "agree", "engine") and last and last[-1] in ("kernel", "qmatmul", "agree")):
+            last.append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+SECTIONS = ("checkpoint", "load", "kernel", "qmatmul", "engine", "agree", "warm")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="jlora bench tpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3.2-1b", choices=list(SHAPES))
-    p.add_argument("--dir", default="/tmp/jlora-tpu-bench", help="where the random checkpoint and adapters go")
+    p.add_argument("--dir", default="/tmp/jlora-tpu-bench", help="where the random checkpoints, adapters and the "
+                                                                 "weights cache go")
     p.add_argument("--out", default="tpu-results", help="results folder")
-    p.add_argument("--sections", default="checkpoint,kernel,engine")
-    p.add_argument("--workloads", default="", help="comma-separated indices into WORKLOADS (default: all)")
+    p.add_argument("--sections", default="checkpoint,kernel,engine", help=f"comma-separated, of {list(SECTIONS)}")
+    p.add_argument("--quantization", default="none", choices=["none", "int8-weight-only", "int8"],
+                   help="LLM(quantization=...) for load, engine and warm (int8: W8A8 on TPU and CPU)")
+    p.add_argument("--workloads", default="", help="comma-separated indices into WORKLOADS (default: the shape's "
+                                                   "DEFAULT_WORKLOADS, else every row that fits)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=(32, 128, 1024))
-    p.add_argument("--decode-row-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None)
+    p.add_argument("--max-num-seqs", default="auto", help="an int, or auto: what the KV cache holds (kv_plan)")
+    p.add_argument("--max-seqs-cap", type=int, default=64, help="auto's largest max_num_seqs")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: max_num_seqs full-length sequences")
+    p.add_argument("--kv-headroom-gb", type=float, default=2.0, help="device memory auto leaves for the step's "
+                                                                     "temporaries")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 1024 (512 for the 8B)")
+    p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                   help="default: 32,128,1024 (512 for the 8B)")
+    p.add_argument("--decode-row-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                   help="default: 1,max_num_seqs (max_num_seqs alone for the 8B)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lora-impl", default="auto")
     p.add_argument("--attn-impl", default="auto")
@@ -569,19 +1205,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kernel-variants", default="", type=lambda s: [tuple(int(x) for x in v.split("x")) for v in s.split(",") if v],
                    help="extra (block size)x(chunk) pairs for the kernel section, e.g. 16x256,32x256")
+    p.add_argument("--load-modes", default="cold,warm", help="comma-separated, of cold, warm, direct")
+    p.add_argument("--qmatmul-rows", type=lambda s: tuple(int(x) for x in s.split(",")), default=(32, 512),
+                   help="row counts of the qmatmul section (decode rows, a prefill chunk)")
+    p.add_argument("--agree-shape", default=AGREE_SHAPE, choices=list(SHAPES))
+    p.add_argument("--quick", action="store_true", help="engine: skip the async check and the profile")
+    p.add_argument("--in-process", action="store_true", help="run every section in this process (a CPU dry run; "
+                                                             "on a TPU each chip section needs a fresh process)")
+    p.add_argument("--load-child", choices=["cold", "warm", "direct"], help=argparse.SUPPRESS)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a process started by run_child
     args = p.parse_args(argv)
-    if args.decode_row_buckets is None:
-        args.decode_row_buckets = tuple(sorted({1, args.max_num_seqs}))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.max_num_seqs != "auto":
+        args.max_num_seqs = int(args.max_num_seqs)
+    unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
+    if unknown:
+        p.error(f"--sections: unknown {unknown}; choose from {list(SECTIONS)}")
+    return args
+
+
+def run_sections(args: argparse.Namespace, sections: list[str], out: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """Sections that use the device, in this process."""
+    tag = run_tag(args)
+    failed = []
+    for section in sections:
+        t0 = time.perf_counter()
+        print(f"== section {section} ({tag})", flush=True)
+        try:
+            results = _run_section(args, section, out, results)
+        except Exception as e:  # noqa: BLE001 (one run on the chip: say what broke, measure the rest)
+            import traceback
+
+            traceback.print_exc()
+            failed.append(section)
+            results = _load_results(out)
+            results.setdefault("errors", []).append(f"{tag} {section}: {type(e).__name__}: {str(e)[:3000]}")
+            _save(out, results)
+        gc.collect()  # what the section held on the device goes before the next one
+        print(f"== section {section} {'FAILED' if section in failed else 'done'} in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    if failed:
+        raise SystemExit(f"sections failed: {failed}")
+    return results
+
+
+def _run_section(args: argparse.Namespace, section: str, out: Path, results: dict[str, Any]) -> dict[str, Any]:
     ckpt = Path(args.dir) / args.shape
-    results: dict[str, Any] = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
-    sections = args.sections.split(",")
-    if "checkpoint" in sections and not (ckpt / "config.json").is_file():
-        s = write_checkpoint(ckpt, args.shape)
-        results["checkpoint_write_s"] = s
-        print(f"checkpoint {args.shape} written in {s:.1f} s", flush=True)
-    if "kernel" in sections:
+    tag = run_tag(args)
+    if section == "kernel":
         cfg = SHAPES[args.shape]
         rows = results.setdefault("kernel", [])
         for r, ctx, nq in ((64, 1024, 1), (64, 256, 1), (1, 1024, 1), (1, 1024, 256)):
@@ -592,31 +1262,141 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_kernel(cfg, 64, 1024, 1, block_size=bs, chunk=chunk, impls=("pallas",))
             rows += bench_kernel(cfg, 1, 1024, 256, block_size=bs, chunk=chunk, impls=("pallas",))
             _save(out, results)
-    if "engine" in sections:
+    elif section == "qmatmul":
+        results.setdefault("qmatmul", {})[args.shape] = bench_qmatmul(SHAPES[args.shape], args.qmatmul_rows)
+        _save(out, results)
+    elif section == "engine":
         bench_engine(ckpt, out, args, results)
-    if "warm" in sections:  # its own process, after the one that compiled (one process holds the chip)
-        t0 = time.perf_counter()
+    elif section == "agree":
+        path = agree_checkpoint(args)
+        if not (path / "config.json").is_file():
+            from jlora.models.random_checkpoint import write_random_checkpoint
+
+            t0 = time.perf_counter()
+            write_random_checkpoint(path, {**SHAPES[args.agree_shape], "max_position_embeddings": 4096})
+            print(f"checkpoint {path} (fresh N(0, 0.02) draws) written in {time.perf_counter() - t0:.1f} s", flush=True)
+        results.setdefault("agree", {})[args.agree_shape] = bench_agree(path, args.dtype)
+        _save(out, results)
+    elif section == "warm":  # a fresh process: the engine section's sizes, its caches filled
+        eng = results.get(tag, {}).get("engine", {})
+        try:
+            sizes = engine_sizes(args) if not eng else dict(
+                max_num_seqs=eng["max_num_seqs"], num_kv_blocks=eng["num_kv_blocks"],
+                max_num_batched_tokens=eng["max_num_batched_tokens"], token_buckets=tuple(eng["token_buckets"]),
+                decode_row_buckets=tuple(eng["decode_row_buckets"]))
+        except ValueError as e:  # the model does not fit this device at all
+            print(f"warm {tag}: skipped: {e}", flush=True)
+            return results
         import jax
 
-        jax.devices()  # the TPU runtime's own start, apart from jlora's
-        results["warm_runtime_start_s"] = time.perf_counter() - t0
-        from jlora import LLM, compile_stats
+        from jlora import compile_stats
 
-        extra = {} if args.async_scheduling == "auto" else dict(async_scheduling=args.async_scheduling == "on")
-        llm = LLM(str(ckpt), dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, token_buckets=args.token_buckets,
-                  decode_row_buckets=args.decode_row_buckets, max_loras=4, max_lora_rank=args.rank,
-                  lora_impl=args.lora_impl, attn_impl=args.attn_impl, block_size=args.block_size, progress=False,
-                  **extra)
-        results["warm_start_s"] = time.perf_counter() - t0
-        results["warm_start_breakdown_s"] = dict(getattr(llm, "startup_seconds", {}),
-                                                 runtime_start=results["warm_runtime_start_s"],
-                                                 compile_cache_hits=compile_stats.cache_hit_count(),
-                                                 compiles=compile_stats.compile_count())
-        print(f"warm start (LLM(), compile and weights caches filled by an earlier process): "
-              f"{results['warm_start_s']:.1f} s: {results['warm_start_breakdown_s']}", flush=True)
+        t1, n0 = time.perf_counter(), compile_stats.compile_count()
+        jax.devices()  # the TPU runtime's own start, apart from jlora's
+        runtime_start = time.perf_counter() - t1
+        llm = make_llm(ckpt, args, sizes)
+        res = results.setdefault(tag, {})
+        res["warm_start_s"] = time.perf_counter() - t1
+        res["warm"] = dict(start_s=res["warm_start_s"], runtime_start_s=runtime_start,
+                           startup_seconds=getattr(llm, "startup_seconds", {}),
+                           weights_cache_hit=getattr(llm, "weights_cache_hit", None),
+                           compiles=compile_stats.compile_count() - n0, cache_hits=compile_stats.cache_hit_count())
+        print(f"warm start {tag} (LLM(), compile and weights caches filled by an earlier process): "
+              f"{res['warm_start_s']:.1f} s {json.dumps(res['warm'])}", flush=True)
         _save(out, results)
-    return 0
+    return results
+
+
+def disk_needed(args: argparse.Namespace, sections: list[str]) -> int:
+    """Bytes the run writes under --dir: the checkpoint, the weights cache entry, the agree section's
+    checkpoint, adapters, and a GB to spare (what is already there is not counted again)."""
+    dtype_bytes = 2 if args.dtype == "bfloat16" else 4
+    need = 10**9
+    if not (Path(args.dir) / args.shape / "config.json").is_file():
+        need += shape_bytes(SHAPES[args.shape])["weights"]
+    if {"load", "engine", "warm"} & set(sections):
+        need += shape_bytes(SHAPES[args.shape], dtype_bytes, args.quantization)["weights"]
+    if "agree" in sections and not (agree_checkpoint(args) / "config.json").is_file():
+        need += shape_bytes(SHAPES[args.agree_shape])["weights"]
+    return need
+
+
+def pick_dir(args: argparse.Namespace, sections: list[str]) -> str:
+    """--dir, or /dev/shm/<its name> when --dir's disk has too little room for the run and /dev/shm
+    has it (a RAM-backed disk: the host's 40 GiB hold the 8B's 16 GB checkpoint and its cache)."""
+    need = disk_needed(args, sections)
+    here = Path(args.dir)
+    here.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(here).free
+    if free >= need:
+        return args.dir
+    shm = Path("/dev/shm") / here.name
+    try:
+        shm_free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        shm_free = 0
+    if shm_free >= need:
+        print(f"--dir {here} has {free / 1e9:.1f} GB free, the run needs {need / 1e9:.1f} GB: using {shm}", flush=True)
+        return str(shm)
+    print(f"WARNING: --dir {here} has {free / 1e9:.1f} GB free (/dev/shm {shm_free / 1e9:.1f} GB), the run needs "
+          f"{need / 1e9:.1f} GB", flush=True)
+    return args.dir
+
+
+def checkpoint_section(args: argparse.Namespace, ckpt: Path, out: Path, results: dict[str, Any]) -> None:
+    if (ckpt / "config.json").is_file():
+        print(f"checkpoint {ckpt} is there", flush=True)
+        return
+    seconds = write_checkpoint(ckpt, args.shape)
+    size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    prev = results.get("checkpoint_write_s")
+    results["checkpoint_write_s"] = {**(prev if isinstance(prev, dict) else {}), args.shape: seconds}
+    print(f"checkpoint {args.shape} written to {ckpt} in {seconds:.1f} s ({size / 1e9:.2f} GB, "
+          f"{size / seconds / 1e9:.2f} GB/s)", flush=True)
+    _save(out, results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.load_child:
+        return load_child(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = Path(args.dir) / args.shape
+    results = _load_results(out)
+    sections = args.sections.split(",")
+    if args.in_process:  # one process: load still measures each load in a fresh one
+        if "checkpoint" in sections:
+            checkpoint_section(args, ckpt, out, results)
+        if "load" in sections:
+            results = bench_load(args, out, results)
+        run_sections(args, [s for s in sections if s not in ("checkpoint", "load")], out, results)
+        return 0
+    if args.child or (len(sections) == 1 and sections[0] not in ("checkpoint", "load")):
+        run_sections(args, sections, out, results)  # this process is the sections' fresh one
+        return 0
+    t_all = time.perf_counter()
+    rc_all = 0
+    results["machine"] = machine()
+    print(f"machine: {json.dumps(results['machine'])}", flush=True)
+    args.dir = pick_dir(args, sections)
+    ckpt = Path(args.dir) / args.shape
+    argv = _argv_without(argv, ("--dir",)) + ["--dir", args.dir]  # the children's too
+    for group in plan_processes(sections):
+        t0 = time.perf_counter()
+        if group == ["checkpoint"]:
+            checkpoint_section(args, ckpt, out, results)
+        elif group == ["load"]:
+            results = bench_load(args, out, results)
+        else:
+            _save(out, results)
+            rc, _ = run_child(_argv_without(argv, ("--sections",)) + ["--sections", ",".join(group), "--child"],
+                              "+".join(group))
+            rc_all = rc_all or rc
+            results = _load_results(out)
+        print(f"== {'+'.join(group)}: {time.perf_counter() - t0:.1f} s (total {time.perf_counter() - t_all:.1f} s)", flush=True)
+    return rc_all
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ reference (`quantize_np`, used at load time on Hugging Face [out, in] tensors) a
 carries `q` and `scale` through jit and `lax.scan` like any array. `linear(x, w)` multiplies by
 a float or a quantized weight:
   * activations "int8" (W8A8): x is quantized per token inside the graph, the dot runs
-    int8 x int8 -> int32, and the result is scaled by (token scale x channel scale). Picked
-    where the backend's int8 dot is fast (XLA:CPU).
+    int8 x int8 -> int32, and the result is scaled by (token scale x channel scale). Picked by
+    `int8` where the backend multiplies int8 natively (XLA:CPU, measured faster; TPU, whose v5e
+    MXU runs int8 x int8 at twice its bf16 rate: `jlora bench tpu --quantization int8` measures it).
   * activations "float" (W8A16): the int8 weight is widened in the matmul and the channel scale
-    applied to its output. Picked elsewhere (GPU, TPU), and by `int8-weight-only`.
+    applied to its output. Picked by `int8` on GPU, and by `int8-weight-only` everywhere.
 LoRA A/B never go through here: they stay in the compute dtype.
 
 **bfloat16 on XLA:CPU.** XLA:CPU has no native bf16 arithmetic: its float-normalization pass
@@ -85,8 +86,9 @@ def check_quantization(quantization: str | None) -> str:
 
 def int8_dot_is_fast(backend: str | None = None) -> bool:
     """XLA:CPU's int8 x int8 -> int32 dot beats its f32 dot (measured 1.4-2x at model shapes, AVX2);
-    GPU/TPU are not measured here, so they dequantize in the matmul instead."""
-    return (backend or jax.default_backend()) == "cpu"
+    a TPU's MXU multiplies int8 natively (v5e: 394 TOPS against 197 TFLOP/s bf16; not yet measured
+    in jlora: `jlora bench tpu --sections qmatmul`). GPU dequantizes in the matmul instead."""
+    return (backend or jax.default_backend()) in ("cpu", "tpu")
 
 
 def activation_mode(quantization: str, backend: str | None = None) -> str | None:

@@ -11,8 +11,9 @@ model's config:
 
 The key hashes the source files' contents (sha256), the dtype (and "int8" for a quantized entry) and
 the format version, so an edited source misses and a copy of the same file elsewhere hits. Hashing the
-98 MB default GGUF takes ~0.15 s; digests are memoized by (path, size, mtime) so multi-GB checkpoints
-are hashed once. A damaged entry (truncated, edited, wrong format) is detected on read and rebuilt.
+98 MB default GGUF takes ~0.15 s; the shards of a sharded checkpoint are hashed in parallel, and digests
+are memoized by (path, size, mtime) so multi-GB checkpoints are hashed once. A damaged entry
+(truncated, edited, wrong format) is detected on read and rebuilt.
 
 Where: `JLORA_WEIGHTS_CACHE_DIR`, else a `weights` sibling of `JLORA_CACHE_DIR` (the persistent
 XLA cache, see `jlora.llm.enable_compilation_cache`), else `~/.cache/jlora/weights`.
@@ -21,6 +22,7 @@ XLA cache, see `jlora.llm.enable_compilation_cache`), else `~/.cache/jlora/weigh
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,7 +48,13 @@ def source_files(path: Path) -> list[Path]:
 
 
 def entry_key(cache: ContentCache, sources: list[Path], dtype_name: str) -> str:
-    return cache.key(dtype_name, *(f"{f.name}|{cache.digest(f)}" for f in sources))
+    """The key over the sources' digests, hashed one file per thread (hashlib and file reads release
+    the GIL): a sharded 16 GB checkpoint's first hash takes the time of its largest shard, not of all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(cache.digest, sources))
+    return cache.key(dtype_name, *(f"{f.name}|{d}" for f, d in zip(sources, digests)))
 
 
 def model_key(path: Path, dtype: Any, cache: ContentCache, quantization: str | None = None) -> str:

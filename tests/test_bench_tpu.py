@@ -1,0 +1,164 @@
+"""`jlora bench tpu` (jlora/bench/tpu.py) on the CPU: the memory arithmetic that sizes the 8B's KV
+cache against the arrays jlora really builds, the random checkpoint as a real HF checkpoint, how
+sections are cut into processes, and (slow) a dry run of every section at the tiny shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jlora.bench import tpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def shapes(monkeypatch):
+    """The bench's shapes plus an untied tiny one (the 8B's head layout at the tiny size)."""
+    monkeypatch.setitem(tpu.SHAPES, "tiny-untied", {**tpu.SHAPES["tiny"], "tie_word_embeddings": False,
+                                                    "num_key_value_heads": 1, "vocab_size": 384})
+    return tpu.SHAPES
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-untied"])
+@pytest.mark.parametrize("quantization", ["none", "int8-weight-only"])
+def test_shape_bytes_are_what_the_loader_builds(shapes, tmp_path, shape, quantization):
+    from jlora.models.llama import init_cache, init_lora_state
+    from jlora.models.loading import load_model
+
+    path = tmp_path / shape
+    tpu.write_checkpoint(path, shape)
+    model, _, _ = load_model(path, jnp.bfloat16, quantization=None if quantization == "none" else quantization)
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+    got = sum(int(x.nbytes) for _, x in leaves) + int(model.inv_freq[...].nbytes)
+    embed = sum(int(x.nbytes) for p, x in leaves if "embed_tokens" in jax.tree_util.keystr(p))
+    want = tpu.shape_bytes(shapes[shape], 2, quantization, max_loras=3, rank=8)
+    assert got == want["weights"]
+    assert want["embedding"] == embed
+    untied = not shapes[shape]["tie_word_embeddings"]
+    assert want["weights_read_per_step"] == got - (embed if untied else 0)
+    lora = jax.eval_shape(lambda: init_lora_state(model.cfg, 3, 8, jnp.bfloat16))
+    assert want["lora_slots"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lora))
+    cache = jax.eval_shape(lambda: init_cache(model.cfg, 1, 1, jnp.bfloat16))
+    assert want["kv_per_token"] == sum(x.size * x.dtype.itemsize for x in cache.values())
+
+
+def test_kv_plan_sizes_the_8b_on_one_v5e():
+    cfg = tpu.SHAPES["llama-3.1-8b"]
+    b = tpu.shape_bytes(cfg, 2, "int8")
+    assert 8.5e9 < b["weights"] < 8.6e9  # int8 projections and head, bf16 embedding (1.05 GB)
+    assert 7.4e9 < b["weights_read_per_step"] < 7.6e9  # a decode step reads the embedding's rows only
+    assert b["kv_per_token"] == 131072
+    plan = tpu.kv_plan(cfg, "int8", 2048, 16, 4, 16, tpu.HBM_BYTES)
+    # 16.91 GB - 8.56 GB of weights - 0.34 GB of slots - 2 GB headroom = 6.0 GB: 22 sequences of 2048.
+    assert plan["max_num_seqs"] == 22 and plan["num_kv_blocks"] == 22 * 128
+    assert plan["kv_bytes"] + b["weights"] + b["lora_slots"] + plan["headroom"] <= tpu.HBM_BYTES
+    assert tpu.kv_plan(cfg, "int8", 2048, 16, 4, 16, tpu.HBM_BYTES, in_use=10**9)["max_num_seqs"] < 22
+    with pytest.raises(ValueError, match=r"not one 2048-token sequence fits.*weights 16.06 GB \(none\)"):
+        tpu.kv_plan(cfg, "none", 2048, 16, 4, 16, tpu.HBM_BYTES)  # bf16 8B: 16 GB of weights
+    assert tpu.kv_plan(tpu.SHAPES["llama-3.2-1b"], "none", 2048, 16, 4, 16, tpu.HBM_BYTES)["max_num_seqs"] == 64
+
+
+def test_random_checkpoint_is_a_real_bf16_hf_checkpoint(tmp_path):
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    from jlora.models.loading import open_hf_checkpoint
+    from jlora.tokenizer import load_hf_tokenizer
+
+    path = tmp_path / "ckpt"
+    seconds = tpu.write_checkpoint(path, "tiny")
+    assert seconds > 0 and not list(path.glob("*.tmp"))
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    seen = {}
+    for shard in sorted(set(index.values())):
+        seen.update(load_file(str(path / shard)))  # the safetensors library itself reads every shard
+    assert set(seen) == set(index)
+    cfg, tensors = open_hf_checkpoint(path)
+    assert cfg.num_hidden_layers == 2 and cfg.tie_word_embeddings
+    for name, arr in seen.items():
+        assert arr.dtype == ml_dtypes.bfloat16 and tuple(arr.shape) == tuple(tensors[name].shape)
+    w = seen["model.layers.1.mlp.down_proj.weight"].astype(np.float32)
+    assert 0.015 < w.std() < 0.025
+    np.testing.assert_array_equal(seen["model.norm.weight"].astype(np.float32), 1.0)
+    assert load_hf_tokenizer(path).decode([5, 6]) == "w5 w6"
+
+
+def test_sections_are_cut_into_processes():
+    plan = tpu.plan_processes
+    assert plan(["checkpoint", "load", "qmatmul", "agree", "engine", "warm"]) == \
+        [["checkpoint"], ["load"], ["qmatmul", "agree", "engine"], ["warm"]]
+    # Nothing runs after the engine in its process; warm always alone.
+    assert plan(["engine", "agree", "warm", "warm"]) == [["engine"], ["agree"], ["warm"], ["warm"]]
+    assert plan(["kernel", "engine"]) == [["kernel", "engine"]]
+    argv = ["--shape", "tiny", "--sections", "a,b", "--in-process", "--sections=x", "--out", "o"]
+    assert tpu._argv_without(argv, ("--sections",)) == ["--shape", "tiny", "--out", "o"]
+    with pytest.raises(SystemExit):
+        tpu.parse_args(["--sections", "checkpoint,bogus"])
+
+
+def test_engine_sizes_for_the_8b_compile_two_step_graphs():
+    from jlora.engine.config import EngineConfig
+
+    args = tpu.parse_args(["--shape", "llama-3.1-8b", "--quantization", "int8", "--max-num-seqs", "22"])
+    sizes = tpu.engine_sizes(args)
+    assert sizes["token_buckets"] == (512,) and sizes["decode_row_buckets"] == (22,)
+    cfg = EngineConfig(max_model_len=2048, max_num_seqs=22, max_num_batched_tokens=sizes["max_num_batched_tokens"],
+                       token_buckets=sizes["token_buckets"], decode_row_buckets=sizes["decode_row_buckets"])
+    assert cfg.step_shapes() == ((22, 0, 0), (22, 1, 512))
+    one_b = tpu.engine_sizes(tpu.parse_args(["--max-num-seqs", "64"]))
+    assert one_b["token_buckets"] == (32, 128, 1024) and one_b["decode_row_buckets"] == (1, 64)
+
+
+@pytest.mark.slow  # every section in fresh processes at the tiny shape: ~60 s on 2 cores
+def test_dry_run_of_every_section_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JLORA_CACHE_DIR": str(tmp_path / "xla"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jlora.bench.tpu", "--shape", "tiny", "--dir", str(tmp_path / "d"), "--out", str(out),
+           "--sections", "checkpoint,load,qmatmul,agree,engine,warm", "--quantization", "int8",
+           "--workloads", "11", "--max-num-seqs", "auto", "--max-seqs-cap", "3", "--token-buckets", "128",
+           "--max-num-batched-tokens", "128", "--qmatmul-rows", "4", "--agree-shape", "tiny", "--quick"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    r = json.loads((out / "results.json").read_text())
+    run = r["tiny/int8"]
+    for mode in ("cold", "warm"):
+        load = run["load"][mode]
+        assert load["source"] == "weights_cache" and load["peak_added_bytes"] > 0
+        assert load["device_bytes"] == tpu.shape_bytes(tpu.SHAPES["tiny"], 2, "int8")["weights"] - 64
+        assert set(load["device_bytes_by_dtype"]) == {"int8", "float32", "uint16"}  # no float copy of a projection
+    eng = run["engine"]
+    assert eng["quantization"] == "int8" and eng["activations"] == "int8" and eng["max_num_seqs"] == 3
+    assert eng["compiles_after_warmup"] == 0 and eng["whole_cache_copies"] == [] and eng["whole_weight_copies"] == []
+    (row,) = run["workloads"]
+    assert row["quantization"] == "int8" and row["requests"] == 3 and row["generated"] == 3 * 256
+    assert run["warm"]["weights_cache_hit"] is True and run["warm"]["compiles"] == run["warm"]["cache_hits"]
+    assert {q["mode"] for q in r["qmatmul"]["tiny"]} == set(tpu.QMATMUL_MODES) and "errors" not in r["qmatmul"]["tiny"][0]
+    assert r["agree"]["tiny"]["int8"]["top1"] > 0.9 and r["agree"]["tiny"]["int8-weight-only"]["top1"] > 0.9
+    assert "errors" not in r
+
+
+def test_a_disk_too_small_for_the_run_moves_it_to_dev_shm(tmp_path, monkeypatch):
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    args = tpu.parse_args(["--shape", "llama-3.1-8b", "--quantization", "int8", "--dir", str(tmp_path / "bench")])
+    sections = ["checkpoint", "load", "engine", "agree"]
+    need = tpu.disk_needed(args, sections)
+    assert 27.7e9 < need < 27.8e9  # 16.06 GB checkpoint + 8.56 GB int8 cache + 2.15 GB for the 1B + 1 GB spare
+    free = {str(tmp_path / "bench"): 20e9, "/dev/shm": 30e9}
+    monkeypatch.setattr(tpu.shutil, "disk_usage", lambda p: usage(0, 0, free[str(p)]))
+    assert tpu.pick_dir(args, sections) == "/dev/shm/bench"
+    free["/dev/shm"] = 1e9
+    assert tpu.pick_dir(args, sections) == str(tmp_path / "bench")  # nowhere better: a warning, the same dir
