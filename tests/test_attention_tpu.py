@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jlora.kernels.attention import paged_attention_reference
 from jlora.engine.runner import whole_cache_copies
-from jlora.kernels.paged_attention_tpu import lane_tiles, paged_attention_tpu, query_block
+from jlora.kernels.paged_attention_tpu import VMEM_BUDGET, lane_tiles, paged_attention_tpu, query_block, vmem_estimate
 
 
 def make_case(h: int, kvh: int, dh: int, bs: int, nq: int, max_len: int = 384, layers: int = 2, seed: int = 0,
@@ -112,10 +112,17 @@ def test_layouts():
     assert lane_tiles(2, 16) == (32, 2) and lane_tiles(8, 256) == (256, 1)
     assert query_block(1, 8, 16) == 1 and query_block(512, 8, 16) == 64 and query_block(512, 9, 16) == 32
     assert query_block(7, 8, 16) == 7
+    # VMEM: the shapes that compiled on a v5e keep their blocks; the two that ran out get smaller ones.
+    assert query_block(256, 8, 16, chunk=512, kd=512) == 64  # 1B prefill: 512 rows, compiled
+    assert query_block(512, 4, 16, chunk=512, kd=1024) == 64  # 8B prefill: 512 rows ran out; 256
+    assert query_block(256, 8, 16, chunk=1024, kd=512) == 32  # 1B, 1,024-position chunks: 256 rows
+    assert vmem_estimate(512, 512, 1024, 2) > VMEM_BUDGET >= vmem_estimate(256, 512, 1024, 2)
+    assert query_block(1, 4, 16, chunk=4096, kd=1024) == 1  # one query always goes
 
 
 @pytest.mark.parametrize("shape", [(64, 1, 32, 8, 64, 16, 128), (1, 512, 32, 8, 64, 16, 128),
-                                   (16, 1, 9, 3, 64, 16, 128), (4, 128, 32, 8, 128, 16, 256)])
+                                   (16, 1, 9, 3, 64, 16, 128), (4, 128, 32, 8, 128, 16, 256),
+                                   (1, 512, 32, 8, 128, 16, 512)])  # the 8B prefill chunk (its VMEM: query_block)
 def test_lowers_for_tpu(shape):
     """Mosaic lowering for the chip, without it (B, Q, H, KVH, Dh, bs, chunk; bf16 caches)."""
     b, nq, h, kvh, dh, bs, chunk = shape

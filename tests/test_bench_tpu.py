@@ -162,3 +162,12 @@ def test_a_disk_too_small_for_the_run_moves_it_to_dev_shm(tmp_path, monkeypatch)
     assert tpu.pick_dir(args, sections) == "/dev/shm/bench"
     free["/dev/shm"] = 1e9
     assert tpu.pick_dir(args, sections) == str(tmp_path / "bench")  # nowhere better: a warning, the same dir
+
+
+def test_a_kernel_out_of_vmem_is_not_an_hbm_oom():
+    """The 8B's first chip run: the attention kernel ran out of scoped VMEM at compile time, and the
+    bench took it for HBM and retried with fewer sequences three times. A VMEM failure goes to the
+    XLA attention instead; an HBM one still shrinks the batch."""
+    vmem = RuntimeError("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: Ran out of memory in memory space vmem")
+    hbm = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 6.1G in memory space hbm")
+    assert not tpu._oom(vmem) and tpu._oom(hbm)

@@ -44,6 +44,11 @@ from jlora.kernels.attention import validate_attention_args
 
 NO_WINDOW = 1 << 30  # a window past any position
 MAX_BLOCK_ROWS = 512  # query rows (queries x heads sharing a tile) per program
+# What a program's blocks may take of the scoped VMEM (16 MiB by default on a v5e), by
+# `vmem_estimate`. Measured on the chip: estimates of 9 MB compiled (1B shape, 512 rows, 512-position
+# chunks); 14 and 15 MB did not ("CompileTimeScopedVmemOom", 18.6-19.9 MB actually needed: the
+# 1B shape with 1,024-position chunks, the 8B's prefill with 512 rows).
+VMEM_BUDGET = 10 * 2**20
 
 
 def lane_tiles(kvh: int, dh: int) -> tuple[int, int]:
@@ -55,11 +60,25 @@ def lane_tiles(kvh: int, dh: int) -> tuple[int, int]:
     return kvh * dh, kvh
 
 
-def query_block(nq: int, rows_per_query: int, sublanes: int) -> int:
-    """Queries per program: the largest divisor of Q whose rows fit MAX_BLOCK_ROWS and tile the
-    sublanes (or all Q, which any block shape allows)."""
+def vmem_estimate(rows: int, chunk: int, kd: int, itemsize: int) -> int:
+    """Bytes of VMEM a program uses: the K and V chunk buffers (two slots each), and per query row
+    its float32 accumulator, its output block and its query block (both double-buffered by the
+    pipeline) across the KVH*Dh lanes, and the [rows, chunk] float32 scores and weights of a tile."""
+    buffers = 2 * 2 * chunk * kd * itemsize
+    per_row = kd * (4 + 2 * 4 + 2 * itemsize) + chunk * 4 * 3
+    return buffers + rows * per_row
+
+
+def query_block(nq: int, rows_per_query: int, sublanes: int, chunk: int = 0, kd: int = 0, itemsize: int = 2) -> int:
+    """Queries per program: the largest divisor of Q whose rows fit MAX_BLOCK_ROWS and VMEM_BUDGET
+    (`vmem_estimate`; chunk=0 skips that check) and tile the sublanes (or all Q, which any block
+    shape allows)."""
+    def fits(d: int) -> bool:
+        rows = d * rows_per_query
+        return rows <= MAX_BLOCK_ROWS and (not chunk or d == 1 or vmem_estimate(rows, chunk, kd, itemsize) <= VMEM_BUDGET)
+
     for d in range(nq, 0, -1):
-        if nq % d == 0 and d * rows_per_query <= MAX_BLOCK_ROWS and (d == nq or d * rows_per_query % sublanes == 0):
+        if nq % d == 0 and fits(d) and (d == nq or d * rows_per_query % sublanes == 0):
             return d
     return nq
 
@@ -182,7 +201,7 @@ def paged_attention_tpu(
     nt = kd // lt
     rq = hpt * g  # rows per query in a tile: its heads in the tile x the query heads of each
     cdt = cache_k.dtype
-    qb = query_block(nq, rq, 16 if jnp.dtype(cdt).itemsize == 2 else 8)
+    qb = query_block(nq, rq, 16 if jnp.dtype(cdt).itemsize == 2 else 8, chunk, kd, jnp.dtype(cdt).itemsize)
     nqb, rows = nq // qb, qb * rq
 
     # Each row: its query head's vector at its KV head's lanes of the tile, zeros elsewhere.
