@@ -359,20 +359,28 @@ def test_sliding_window_families_hit_and_keep_outputs(name, tmp_path):
     same_outputs(got, want)
 
 
-def test_bench_prefix_runs_on_a_small_checkpoint(tiny_dir, capsys):
+def test_bench_prefix_runs_on_a_small_checkpoint(tmp_path, capsys):
+    """As on a TPU machine: no model hub, a random checkpoint written by the bench (word-level
+    tokenizer), results in --out."""
     from jlora.bench import run as bench
 
-    assert bench("prefix", ["--model", str(tiny_dir[0]), "--requests", "8", "--system-tokens", "64",
+    ckpt, out_dir = tmp_path / "tiny", tmp_path / "out"
+    assert bench("prefix", ["--model", str(ckpt), "--shape", "tiny", "--requests", "8", "--system-tokens", "64",
                             "--user-tokens", "4,8", "--new-tokens", "4", "--max-model-len", "128",
-                            "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--adapters", "2"]) == 0
+                            "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--adapters", "2",
+                            "--out", str(out_dir)]) == 0
+    assert (ckpt / "config.json").is_file() and (ckpt / "tokenizer.json").is_file()
     out = capsys.readouterr().out
-    res = json.loads(out[: out.index("\n|")])
+    res = json.loads(out[out.index("\n{") + 1: out.index("\n|")])
+    assert res == json.loads((out_dir / "prefix.json").read_text())
     assert res["same_tokens"] and res["on"]["compiles_after_warmup"] == 0 == res["off"]["compiles_after_warmup"]
     # 8 prompts of 68-72 tokens; with the cache each adapter computes the 64 shared tokens once.
     assert res["off"]["prompt_tokens_computed"] == res["off"]["prompt_tokens"]
     assert res["on"]["prompt_tokens_computed"] < res["off"]["prompt_tokens_computed"] / 2
     assert res["on"]["prefix_cache_hits"] > 0 == res["off"]["prefix_cache_hits"]
     assert "| prompt tokens computed |" in out
+    md = (out_dir / "prefix.md").read_text()
+    assert "| prompt tokens computed |" in md and "max_num_seqs=4" in md and "Same tokens in both modes: True" in md
 
 
 def test_no_enable_prefix_caching_flag_reaches_llm_from_generate_and_serve(cli_llm_kwargs):
