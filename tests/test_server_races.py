@@ -179,12 +179,12 @@ def test_an_exception_inside_a_step_fails_every_request_in_flight_and_the_server
     eng = live.llm.engine
     real, armed, raised = eng.step, threading.Event(), threading.Event()
 
-    def step():
+    def step(*args, **kwargs):  # LLMEngine.step's own arguments (finished_only) pass through
         if armed.is_set() and eng.stats().running >= 3:
             armed.clear()
             raised.set()
             raise RuntimeError("injected step failure")
-        return real()
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(eng, "step", step)
     live.wait_idle()

@@ -242,10 +242,11 @@ def test_weights_cache_miss_and_hit_stay_within_the_bound(mid_ckpt, tmp_path):
 # ---- device memory: one layer in flight, never a float copy of the model -------------------------------
 
 
-def live_bytes() -> tuple[int, int]:
+def live_bytes(before: frozenset[int] = frozenset()) -> tuple[int, int]:
     """(bytes of every live JAX array, the largest live floating-point array's bytes; bf16 kept as
-    uint16 bits on XLA:CPU counts as floating point)."""
-    arrays = [x for x in jax.live_arrays() if not x.is_deleted()]
+    uint16 bits on XLA:CPU counts as floating point). `before`: ids of arrays to leave out (what
+    other tests of the session still hold when a load begins)."""
+    arrays = [x for x in jax.live_arrays() if not x.is_deleted() and id(x) not in before]
     floats = [int(x.nbytes) for x in arrays if jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.uint16]
     return sum(int(x.nbytes) for x in arrays), max(floats, default=0)
 
@@ -262,12 +263,14 @@ def test_device_memory_during_the_load_is_the_model_plus_one_layer(mid_ckpt, mon
 
     def watch(x):
         out = real(x)
-        seen.append(live_bytes())
+        seen.append(live_bytes(held))
         return out
 
-    gc.collect()  # earlier tests' arrays go before the baseline
+    gc.collect()  # earlier tests' arrays go before the baseline; those still held are left out
+    still_held = jax.live_arrays()  # (kept referenced, so no new array can reuse their ids)
+    held = frozenset(id(x) for x in still_held)
     monkeypatch.setattr(jax, "block_until_ready", watch)
-    baseline, _ = live_bytes()
+    baseline, _ = live_bytes(held)
     model, _, _ = load_model(mid_ckpt, jnp.bfloat16, quantization=quantization)
     monkeypatch.setattr(jax, "block_until_ready", real)
     layers = model.cfg.num_hidden_layers
