@@ -3,6 +3,11 @@ import os
 # Tests run on the CPU; keep XLA from grabbing both cores for its own thread pool twice.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch (the transformers/peft references; also in the notebook kernels and worker processes, which
+# inherit this) on one thread: its two OpenMP threads wait on each other at every op when anything else
+# wants the 2 cores (measured on a busy 2-core machine: 32 greedy tokens of SmolLM2 in 30-90 s on two
+# threads, 1.7 s on one). The references are small; XLA's own thread pool does not read this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 

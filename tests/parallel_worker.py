@@ -2,7 +2,7 @@
 starts) and prints one JSON line of what it saw; tests/test_parallel.py asserts on it.
 
     python tests/parallel_worker.py tiny MODEL_DIR ADAPTER_DIR... (4 forced CPU devices)
-    python tests/parallel_worker.py real (3 forced CPU devices, the default model)
+    python tests/parallel_worker.py real ADAPTER_DIR... (3 forced CPU devices, the default model)
     python tests/parallel_worker.py distributed PORT PROCESS_ID MODEL_DIR ADAPTER_DIR... (one of two processes)
     python tests/parallel_worker.py serve MODEL_DIR ADAPTER_DIR... (the OpenAI server over TP 2 x DP 2)
 """
@@ -132,37 +132,11 @@ def stream(model_dir: str) -> dict:
     return out
 
 
-def real() -> dict:
-    """The default model (9 query / 3 KV heads) at TP = 3 against one device, with two real-model
-    random adapters made by peft (all-linear rank 8, and q/v rank 4)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as root:  # 13 MB of adapters, removed when done
-        return _real(root)
-
-
-def _real(root: str) -> dict:
-    import torch
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
+def real(adapters: list[str]) -> dict:
+    """The default model (9 query / 3 KV heads) at TP = 3 against one device, with real-model random
+    adapters made by peft in the test process (`make_real_adapters` in tests/test_parallel.py)."""
     from jlora import LLM
-    from jlora.models import default_model_path
 
-    path = default_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    adapters = []
-    for i, (r, targets) in enumerate(((8, "all-linear"), (4, ["q_proj", "v_proj"]), (8, ["k_proj", "gate_proj"]))):
-        torch.manual_seed(i)
-        pm = get_peft_model(hf, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False),
-                            adapter_name=f"a{i}")
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                torch.nn.init.normal_(p, std=0.02)
-        pm.save_pretrained(root, selected_adapters=[f"a{i}"])
-        pm.unload()
-        adapters.append(f"{root}/a{i}")
-    del hf
     result = {"devices": len(jax.devices())}
     for tp in (1, 3):
         llm = LLM(tensor_parallel_size=tp, **{**SIZES, "weights_cache": True})
@@ -227,7 +201,7 @@ def serve(model_dir: str, adapters: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    out = {"tiny": lambda: tiny(sys.argv[2], sys.argv[3:]), "real": real,
+    out = {"tiny": lambda: tiny(sys.argv[2], sys.argv[3:]), "real": lambda: real(sys.argv[2:]),
            "distributed": lambda: distributed(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]),
            "serve": lambda: serve(sys.argv[2], sys.argv[3:])}[MODE]()
     print("RESULT " + json.dumps(out, default=lambda o: o.item() if isinstance(o, np.generic) else str(o)), flush=True)

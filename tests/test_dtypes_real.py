@@ -87,16 +87,29 @@ def teacher_forced_logits(llm, ids_rows, adapters):
     return np.asarray(logits), pos >= 0
 
 
-def compare(ref_llm, llm, adapters):
+@pytest.fixture(scope="module")
+def reference(real_llm, adapters):
+    """float32's side of every comparison, computed once (the shared engine gives the same greedy tokens
+    and logits each time): its tokens, the prompts, its teacher-forced logits over prompt + its greedy
+    continuation, and the compiles its run caused (added to each comparison's count)."""
     before = compile_stats.compile_count()
-    ref_tokens, prompts = run(ref_llm, adapters)
-    got_tokens, _ = run(llm, adapters)
+    tokens, prompts = run(real_llm, adapters)
     compiles = compile_stats.compile_count() - before
+    seqs = [p + t for p, t in zip(prompts, tokens)]
+    logits, valid = teacher_forced_logits(real_llm, seqs, adapters)
+    return dict(tokens=tokens, compiles=compiles, seqs=seqs, logits=logits, valid=valid)
+
+
+def compare(reference, llm, adapters):
+    ref_tokens = reference["tokens"]
+    before = compile_stats.compile_count()
+    got_tokens, _ = run(llm, adapters)
+    compiles = reference["compiles"] + compile_stats.compile_count() - before
     greedy = np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(got_tokens, ref_tokens)])
     first = np.mean([a[0] == b[0] for a, b in zip(got_tokens, ref_tokens)])
     # Teacher-forced over prompt + float32's greedy continuation: every position's logits.
-    seqs = [p + t for p, t in zip(prompts, ref_tokens)]
-    ref_logits, valid = teacher_forced_logits(ref_llm, seqs, adapters)
+    seqs = reference["seqs"]
+    ref_logits, valid = reference["logits"], reference["valid"]
     logits, _ = teacher_forced_logits(llm, seqs, adapters)
     top1 = np.mean((logits.argmax(-1) == ref_logits.argmax(-1))[valid])
     dmax = np.abs(logits - ref_logits)[valid].max()
@@ -114,8 +127,8 @@ def int8_llm():
     return LLM(quantization="int8", progress=False, **TEST_ENGINE)
 
 
-def test_bf16_engine_agrees_with_float32(real_llm, bf16_llm, adapters):
-    r = compare(real_llm, bf16_llm, adapters)
+def test_bf16_engine_agrees_with_float32(real_llm, reference, bf16_llm, adapters):
+    r = compare(reference, bf16_llm, adapters)
     print("bf16 vs float32:", r)
     assert r["adapters_change_output"]
     assert r["compiles"] == 0
@@ -129,8 +142,8 @@ def test_bf16_engine_agrees_with_float32(real_llm, bf16_llm, adapters):
     assert mem["lora_slots"]["bytes"] * 2 == ref["lora_slots"]["bytes"]
 
 
-def test_int8_engine_agrees_with_float32(real_llm, int8_llm, adapters):
-    r = compare(real_llm, int8_llm, adapters)
+def test_int8_engine_agrees_with_float32(real_llm, reference, int8_llm, adapters):
+    r = compare(reference, int8_llm, adapters)
     print("int8 (W8A8) vs float32:", r)
     assert r["compiles"] == 0
     # Measured (2026-12-04, this test alone, also at 119f460): teacher-forced top-1 0.84, |dlogit| max
@@ -146,9 +159,9 @@ def test_int8_engine_agrees_with_float32(real_llm, int8_llm, adapters):
     assert mem["lora_slots"]["bytes"] == ref["lora_slots"]["bytes"]  # adapters stay float32
 
 
-def test_int8_weight_only_agrees_closer(real_llm, adapters):
+def test_int8_weight_only_agrees_closer(reference, adapters):
     llm = LLM(quantization="int8-weight-only", progress=False, **TEST_ENGINE)
-    r = compare(real_llm, llm, adapters)
+    r = compare(reference, llm, adapters)
     print("int8-weight-only vs float32:", r)
     assert r["compiles"] == 0
     # Measured: top-1 0.96, |dlogit| max 2.4, greedy 0.58, first tokens 0.92.

@@ -189,9 +189,30 @@ def test_openai_server_over_tensor_and_data_parallel_engines(tiny_dir, tiny_adap
     assert r["metrics_ok"]
 
 
+def make_real_adapters(model, root: Path) -> list[Path]:
+    """Three random peft adapters on the real default model (all-linear rank 8, q/v rank 4, k/gate rank 8)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    paths = []
+    for i, (r, targets) in enumerate(((8, "all-linear"), (4, ["q_proj", "v_proj"]), (8, ["k_proj", "gate_proj"]))):
+        torch.manual_seed(i)
+        pm = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False),
+                            adapter_name=f"a{i}")
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+        pm.save_pretrained(root, selected_adapters=[f"a{i}"])
+        pm.unload()  # the session's model again, as it was
+        paths.append(root / f"a{i}")
+    return paths
+
+
 @pytest.fixture(scope="module")
-def real_result():
-    return run_worker("real", timeout=1500)
+def real_result(hf_real, tmp_path_factory):
+    # The adapters come from the session's transformers model: the worker does not load the GGUF file again.
+    adapters = make_real_adapters(hf_real[0], tmp_path_factory.mktemp("tp_real_adapters"))
+    return run_worker("real", *map(str, adapters), timeout=1500)
 
 
 @pytest.mark.slow  # the real default model at TP 1 and 3
