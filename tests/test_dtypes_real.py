@@ -87,17 +87,23 @@ def teacher_forced_logits(llm, ids_rows, adapters):
     return np.asarray(logits), pos >= 0
 
 
-@pytest.fixture(scope="module")
-def reference(real_llm, adapters):
-    """float32's side of every comparison, computed once (the shared engine gives the same greedy tokens
-    and logits each time): its tokens, the prompts, its teacher-forced logits over prompt + its greedy
-    continuation, and the compiles its run caused (added to each comparison's count)."""
+def reference_of(llm, adapters):
+    """One side of a comparison, computed once: its tokens, the prompts, its teacher-forced logits
+    over prompt + its greedy continuation, and the compiles its run caused (added to each
+    comparison's count)."""
     before = compile_stats.compile_count()
-    tokens, prompts = run(real_llm, adapters)
+    tokens, prompts = run(llm, adapters)
     compiles = compile_stats.compile_count() - before
     seqs = [p + t for p, t in zip(prompts, tokens)]
-    logits, valid = teacher_forced_logits(real_llm, seqs, adapters)
+    logits, valid = teacher_forced_logits(llm, seqs, adapters)
     return dict(tokens=tokens, compiles=compiles, seqs=seqs, logits=logits, valid=valid)
+
+
+@pytest.fixture(scope="module")
+def reference(real_llm, adapters):
+    """float32's side of every comparison (the shared engine gives the same greedy tokens and logits
+    each time)."""
+    return reference_of(real_llm, adapters)
 
 
 def compare(reference, llm, adapters):
@@ -175,7 +181,7 @@ def test_int8_with_bf16_compute_agrees_with_the_bf16_engine(bf16_llm, adapters, 
     """The TPU's configuration (dtype=bfloat16 with int8 weights; W8A8 for `int8` on CPU and TPU alike)
     against the bfloat16 engine, the reference an 8B on one chip has (its bf16 weights do not fit)."""
     llm = LLM(dtype="bfloat16", quantization=quantization, progress=False, **TEST_ENGINE)
-    r = compare(bf16_llm, llm, adapters)
+    r = compare(reference_of(bf16_llm, adapters), llm, adapters)
     print(f"{quantization} (bf16 compute) vs bfloat16:", r)
     assert r["compiles"] == 0
     # Measured 2026-12-07 (2-core CPU): int8-weight-only top-1 0.96, |dlogit| max 2.8, greedy 0.57, first
