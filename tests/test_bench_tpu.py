@@ -171,3 +171,24 @@ def test_a_kernel_out_of_vmem_is_not_an_hbm_oom():
     vmem = RuntimeError("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: Ran out of memory in memory space vmem")
     hbm = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 6.1G in memory space hbm")
     assert not tpu._oom(vmem) and tpu._oom(hbm)
+
+
+def test_host_phases_keep_the_engine_steps_signature():
+    """The bench asks `engine.step` whether it takes finished_only (LLM.generate's way); timing it must
+    not hide that, or the bench would snapshot every request every step where generate does not."""
+    import inspect
+    from types import SimpleNamespace
+
+    calls = []
+
+    def step(finished_only: bool = False):
+        calls.append(finished_only)
+        return []
+
+    noop = lambda *a, **k: None  # noqa: E731
+    engine = SimpleNamespace(step=step, _process=noop, _commit=noop, scheduler=SimpleNamespace(schedule=noop),
+                             runner=SimpleNamespace(build_batch=noop, launch=noop, collect=noop))
+    phases = tpu.HostPhases(engine)
+    assert "finished_only" in inspect.signature(engine.step).parameters
+    engine.step(finished_only=True)
+    assert calls == [True] and len(phases.calls) == 1

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gc
 import glob
 import inspect
@@ -426,6 +427,7 @@ class HostPhases:
         runner.launch, runner.collect = timed_launch, timed_collect
         step = engine.step
 
+        @functools.wraps(step)  # keeps step's signature: run_workload asks it for finished_only
         def timed_step(*a: Any, **k: Any) -> Any:
             self._cur = dict.fromkeys(self.PHASES, 0.0) | dict(prefill=False, launches=0, ahead=0)
             t0 = time.perf_counter()
