@@ -53,6 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-impl", default=d["lora_impl"], choices=list(LORA_IMPLS), help="LoRA kernel")
     p.add_argument("--attn-impl", default=d["attn_impl"], choices=list(ATTN_IMPLS),
                    help="paged attention: the Pallas TPU kernel (auto on one TPU device) or the XLA loop")
+    p.add_argument("--block-size", type=int, default=d["block_size"],
+                   help="KV cache positions per block (default: 16; on a TPU a sixteenth of --max-model-len, 16-128)")
     p.add_argument("--async-scheduling", action="store_true", default=None,
                    help="launch the next decode step before this one's tokens reach the host (default: on a TPU)")
     p.add_argument("--lora-slot-ranks", default=None,
@@ -103,6 +105,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
                   attn_impl=getattr(args, "attn_impl", "auto"),
                   async_scheduling=getattr(args, "async_scheduling", None),
+                  block_size=getattr(args, "block_size", None),
                   token_buckets=_buckets(args.token_buckets, "--token-buckets"),
                   lora_slot_ranks=_buckets(getattr(args, "lora_slot_ranks", None), "--lora-slot-ranks"),
                   enable_prefix_caching=getattr(args, "enable_prefix_caching", True))

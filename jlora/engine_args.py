@@ -13,6 +13,7 @@ from typing import Any, Sequence as Seq
 from jlora.engine.config import ATTN_IMPLS, EngineConfig  # noqa: F401 (ATTN_IMPLS: the CLI's choices)
 
 ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+ENGINE_DEFAULTS["block_size"] = None  # auto: `default_block_size` for the backend
 DTYPES = ("float32", "bfloat16", "float16")
 # Weight quantization (jlora.models.quant): "int8" = int8 weights with per-token int8 activations
 # where the backend multiplies int8 natively (CPU, TPU), else dequantized in the matmul; "int8-weight-only" =
@@ -21,9 +22,21 @@ QUANTIZATIONS = ("none", "int8", "int8-weight-only")
 LORA_IMPLS = ("auto", "gather", "laned", "grouped", "pallas")  # jlora.kernels.dispatch.CHOICES, without JAX
 
 
+def default_block_size(max_model_len: int, backend: str | None) -> int:
+    """KV positions per block when `block_size` is None (auto). 16 off the TPU. On a TPU a
+    sixteenth of max_model_len as a power of two, 16 to 128 (vLLM's TPU backend sizes its pages
+    the same way): the Pallas kernel moves a page per DMA, and 16-position pages (16 KB at the 1B
+    shape) left it issue-bound, far under the chip's HBM bandwidth (docs/tpu.md, "Third pass")."""
+    if backend != "tpu":
+        return 16
+    return min(128, max(16, 1 << max(0, (max_model_len - 1).bit_length() - 4)))
+
+
 def engine_config(
     *,
     dtype: str = "float32",
+    block_size: int | None = None,
+    backend: str | None = None,
     max_cpu_loras: int | None = None,
     token_buckets: Seq[int] | None = None,
     lora_slot_ranks: Seq[int] | None = None,
@@ -33,6 +46,7 @@ def engine_config(
     """The EngineConfig `LLM(...)` builds from these arguments; ValueError naming the bad one.
 
     Needs no model, so callers (the CLI, a server) can reject bad sizes before loading anything.
+    `block_size` None is `default_block_size` for `backend` (None: not a TPU).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
@@ -45,4 +59,6 @@ def engine_config(
                 raise ValueError(f"{name} must be a sequence of ints, got {b!r}")
             b = tuple(b)
         buckets[name] = b
-    return EngineConfig(max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, **buckets, **sizes)
+    if block_size is None:
+        block_size = default_block_size(sizes.get("max_model_len", ENGINE_DEFAULTS["max_model_len"]), backend)
+    return EngineConfig(max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, block_size=block_size, **buckets, **sizes)

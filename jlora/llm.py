@@ -88,7 +88,7 @@ class LLM:
         attn_chunk: int | None = ENGINE_DEFAULTS["attn_chunk"],
         attn_impl: str = ENGINE_DEFAULTS["attn_impl"],
         async_scheduling: bool | None = ENGINE_DEFAULTS["async_scheduling"],
-        block_size: int = ENGINE_DEFAULTS["block_size"],
+        block_size: int | None = ENGINE_DEFAULTS["block_size"],
         decode_row_buckets: Seq[int] | None = None,
         scheduling_policy: str = ENGINE_DEFAULTS["scheduling_policy"],
         max_overtakes: int = ENGINE_DEFAULTS["max_overtakes"],
@@ -123,7 +123,7 @@ class LLM:
             attn_chunk=attn_chunk, attn_impl=attn_impl, async_scheduling=async_scheduling, block_size=block_size, scheduling_policy=scheduling_policy,
             decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
             max_overtakes=max_overtakes, max_n=max_n, max_waiting_seqs=max_waiting_seqs,
-            num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching)
+            num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching, backend=jax.default_backend())
         path = resolve_model_path(model)  # a missing model path fails here, before anything is read
         self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
         device_groups = parallel_devices(path, tensor_parallel_size, data_parallel_size)

@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jlora.kernels.attention import paged_attention_reference
 from jlora.engine.runner import whole_cache_copies
-from jlora.kernels.paged_attention_tpu import VMEM_BUDGET, lane_tiles, paged_attention_tpu, query_block, vmem_estimate
+from jlora.kernels.paged_attention_tpu import UNROLL_PAGES, VMEM_BUDGET, lane_tiles, paged_attention_tpu, query_block, vmem_estimate
 
 
 def make_case(h: int, kvh: int, dh: int, bs: int, nq: int, max_len: int = 384, layers: int = 2, seed: int = 0,
@@ -57,12 +57,18 @@ def test_kernel_matches_reference(h, kvh, dh, bs, chunk, nq):
     assert np.abs(np.asarray(got)[positions >= 0]).sum(-1).min() > 0
 
 
-@pytest.mark.parametrize("h,kvh,dh,bs,chunk,nq", [(4, 2, 64, 16, 64, 1), (8, 2, 64, 16, 128, 5)])
+@pytest.mark.parametrize("h,kvh,dh,bs,chunk,nq", [
+    (4, 2, 64, 16, 64, 1), (8, 2, 64, 16, 128, 5),
+    (4, 2, 64, 8, 256, 1),  # 32 pages a chunk: past UNROLL_PAGES, the looped DMA issue
+])
 def test_pages_past_the_end_are_not_read(h, kvh, dh, bs, chunk, nq):
     """The kernel copies only the pages a sequence reaches; the rest of a chunk's buffer holds
     whatever was there (here: NaN, Pallas' interpreter filling uninitialized memory) and must not
     reach the output. The shortest sequence goes first, so its buffer was never written; a fully
-    padded one sits between (the next program's first chunk is prefetched across it)."""
+    padded one sits between (the next program's first chunk is prefetched across it). The
+    interpreter counts a DMA semaphore's bytes as the chip does, so a wait for more than was
+    copied (a full chunk's single wait on a partial chunk) hangs here rather than passing."""
+    assert (chunk // bs > UNROLL_PAGES) == (chunk == 256)
     q, k, v, positions, tables = make_case(h, kvh, dh, bs, nq, seed=5)
     q, positions, tables = q[::-1].copy(), positions[::-1].copy(), tables[::-1].copy()
     got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk,
@@ -182,15 +188,15 @@ def test_whole_cache_copy_detector():
 
 
 def test_cli_flags_reach_llm(cli_llm_kwargs):
-    """--attn-impl and --async-scheduling from `jlora generate` and `jlora serve` to LLM(...)."""
+    """--attn-impl, --async-scheduling and --block-size from `jlora generate` and `jlora serve` to LLM(...)."""
     from jlora import cli
 
     generate, serve = cli_llm_kwargs
-    seen = generate(["--attn-impl", "xla", "--async-scheduling"])
-    assert seen["attn_impl"] == "xla" and seen["async_scheduling"] is True
+    seen = generate(["--attn-impl", "xla", "--async-scheduling", "--block-size", "32"])
+    assert seen["attn_impl"] == "xla" and seen["async_scheduling"] is True and seen["block_size"] == 32
     seen = generate([])
-    assert seen["attn_impl"] == "auto" and seen["async_scheduling"] is None
-    kw = serve(["--attn-impl", "pallas", "--async-scheduling"])
-    assert kw["attn_impl"] == "pallas" and kw["async_scheduling"] is True
+    assert seen["attn_impl"] == "auto" and seen["async_scheduling"] is None and seen.get("block_size") is None
+    kw = serve(["--attn-impl", "pallas", "--async-scheduling", "--block-size", "64"])
+    assert kw["attn_impl"] == "pallas" and kw["async_scheduling"] is True and kw["block_size"] == 64
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["generate", "hi", "--attn-impl", "flash"])

@@ -359,6 +359,33 @@ def test_sliding_window_families_hit_and_keep_outputs(name, tmp_path):
     same_outputs(got, want)
 
 
+def test_prefix_hits_through_the_pallas_kernel_change_nothing(tiny_dir):
+    """The TPU attention kernel (interpreted here, float32) reading cached prefix blocks: a request
+    whose first 48 tokens are cached starts its queries mid-sequence, at another page and chunk,
+    and must produce what it does from scratch."""
+    kw = {**ENGINE, "attn_impl": "pallas", "max_num_seqs": 2}
+    pal_on = LLM(str(tiny_dir[0]), **kw)
+    pal_off = LLM(str(tiny_dir[0]), enable_prefix_caching=False, **kw)
+    shared = tokens(40, 48)
+    prompts = [shared + tokens(41 + i, 5 + 7 * i) for i in range(3)]
+    p = greedy(6, logprobs=2)
+    got = [run(pal_on, [q], p)[0] for q in prompts]
+    want = run(pal_off, prompts, p)
+    assert [g.num_cached_tokens for g in got] == [0, 48, 48]
+    same_outputs(got, want)
+
+
+def test_token_agreement_counts_requests_and_first_differences():
+    from jlora.bench.prefix import token_agreement
+
+    a = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 1, 1]]
+    b = [[1, 2, 3], [4, 0, 6], [0, 8, 9], [1, 1, 2]]
+    assert token_agreement(a, b) == {"requests": 4, "identical": 1, "first_difference_median": 1,
+                                     "first_difference_min": 0}
+    assert token_agreement(a, a) == {"requests": 4, "identical": 4, "first_difference_median": None,
+                                     "first_difference_min": None}
+
+
 def test_bench_prefix_runs_on_a_small_checkpoint(tmp_path, capsys):
     """As on a TPU machine: no model hub, a random checkpoint written by the bench (word-level
     tokenizer), results in --out."""
@@ -374,13 +401,15 @@ def test_bench_prefix_runs_on_a_small_checkpoint(tmp_path, capsys):
     res = json.loads(out[out.index("\n{") + 1: out.index("\n|")])
     assert res == json.loads((out_dir / "prefix.json").read_text())
     assert res["same_tokens"] and res["on"]["compiles_after_warmup"] == 0 == res["off"]["compiles_after_warmup"]
+    assert res["token_agreement"] == {"requests": 8, "identical": 8, "first_difference_median": None,
+                                      "first_difference_min": None}
     # 8 prompts of 68-72 tokens; with the cache each adapter computes the 64 shared tokens once.
     assert res["off"]["prompt_tokens_computed"] == res["off"]["prompt_tokens"]
     assert res["on"]["prompt_tokens_computed"] < res["off"]["prompt_tokens_computed"] / 2
     assert res["on"]["prefix_cache_hits"] > 0 == res["off"]["prefix_cache_hits"]
     assert "| prompt tokens computed |" in out
     md = (out_dir / "prefix.md").read_text()
-    assert "| prompt tokens computed |" in md and "max_num_seqs=4" in md and "Same tokens in both modes: True" in md
+    assert "| prompt tokens computed |" in md and "max_num_seqs=4" in md and "Same tokens in both modes: True (8 of 8 requests identical" in md
 
 
 def test_no_enable_prefix_caching_flag_reaches_llm_from_generate_and_serve(cli_llm_kwargs):

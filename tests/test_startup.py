@@ -26,7 +26,25 @@ def test_llm_defaults_are_engine_config_defaults():
     for f in dataclasses.fields(EngineConfig):
         # max_cpu_loras (host cache, no graph depends on it) follows max_loras unless given.
         if f.name in params and f.default is not None and f.name != "max_cpu_loras":
-            assert params[f.name].default == f.default, f.name
+            assert params[f.name].default == ENGINE_DEFAULTS[f.name], f.name
+            assert f.name == "block_size" or f.default == ENGINE_DEFAULTS[f.name], f.name
+    assert ENGINE_DEFAULTS["block_size"] is None  # auto, per backend
+
+
+def test_block_size_auto_follows_the_backend():
+    from jlora.engine_args import default_block_size
+
+    assert engine_config().block_size == 16 == engine_config(backend="cpu").block_size
+    assert engine_config(backend="tpu").block_size == 128  # max_model_len 2048 / 16
+    assert engine_config(backend="tpu", max_model_len=1024).block_size == 64
+    assert engine_config(backend="tpu", max_model_len=100).block_size == 16
+    assert engine_config(backend="tpu", max_model_len=32768).block_size == 128
+    assert engine_config(backend="tpu", block_size=16).block_size == 16  # given: kept
+    assert [default_block_size(n, "tpu") for n in (256, 257, 2048, 2049)] == [16, 32, 128, 128]
+    cfg = engine_config(backend="tpu", max_num_seqs=4)
+    assert cfg.num_kv_blocks == 4 * 2048 // 128  # capacity counted in the resolved blocks
+    with pytest.raises(ValueError, match="block_size"):
+        engine_config(block_size=0)
 
 
 def test_cli_and_demo_defaults_are_llm_defaults():
@@ -36,7 +54,7 @@ def test_cli_and_demo_defaults_are_llm_defaults():
     for cmd in (["generate", "x"], ["demo"]):
         args = parser.parse_args(cmd)
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank",
-                     "lora_impl"):
+                     "lora_impl", "block_size"):
             assert getattr(args, name) == ENGINE_DEFAULTS[name], (cmd, name)
         assert args.token_buckets is None
 

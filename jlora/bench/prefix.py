@@ -131,10 +131,24 @@ def markdown(out: dict[str, Any]) -> str:
              f"max_model_len={a['max_model_len']}.", "", table({m: out[m] for m in modes})]
     if "ratios" in out:
         r = out["ratios"]
-        lines += ["", f"Same tokens in both modes: {out['same_tokens']}. Prompt tokens computed "
+        t = out["token_agreement"]
+        lines += ["", f"Same tokens in both modes: {out['same_tokens']} ({t['identical']} of {t['requests']} requests "
+                  f"identical; the others first differ at generated token {t['first_difference_min']} or later, "
+                  f"median {t['first_difference_median']}). Prompt tokens computed "
                   f"-{r['prompt_tokens_computed_drop']:.1%}, TTFT p50 {r['ttft_p50_speedup']:.2f}x, "
                   f"p99 {r['ttft_p99_speedup']:.2f}x, throughput {r['tok_s_speedup']:.2f}x."]
     return "\n".join(lines) + "\n"
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    """How far two runs' outputs agree, request by request: how many are identical, and where the
+    others first differ (a bf16 engine may flip a near-tie when a prompt's KV was computed in other
+    chunks; float32 on the CPU must agree exactly, tests/test_prefix_cache.py)."""
+    first = sorted(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
+                   for p, q in zip(a, b) if p != q)
+    return {"requests": len(a), "identical": len(a) - len(first),
+            "first_difference_median": first[len(first) // 2] if first else None,
+            "first_difference_min": first[0] if first else None}
 
 
 def parse_ints(s: str) -> tuple[int, ...]:
@@ -196,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if {"on", "off"} <= set(modes):
         on, off = res["on"], res["off"]
         out["same_tokens"] = tokens["on"] == tokens["off"]
+        out["token_agreement"] = token_agreement(tokens["off"], tokens["on"])
         out["ratios"] = {
             "prompt_tokens_computed_drop": 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"],
             "ttft_p50_speedup": off["ttft_p50_s"] / on["ttft_p50_s"],

@@ -670,7 +670,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
         res["engine_skipped"] = str(e)
         _save(out, results)
         return
-    print(f"engine {tag}: max_num_seqs {sizes['max_num_seqs']}, token buckets {sizes['token_buckets']}, decode row "
+    print(f"engine {tag}: block size {args.block_size}, max_num_seqs {sizes['max_num_seqs']}, token buckets {sizes['token_buckets']}, decode row "
           f"buckets {sizes['decode_row_buckets']}" + (f", KV plan {json.dumps(sizes['plan'])}" if sizes["plan"] else ""),
           flush=True)
     t0 = time.perf_counter()
@@ -714,7 +714,8 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                weights_cache_hit=getattr(llm, "weights_cache_hit", None),
                attn_impl=getattr(runner, "attn_impl", "xla (before)"),
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
-               lora_impl=args.lora_impl, max_num_seqs=n, num_kv_blocks=llm.config.num_kv_blocks,
+               lora_impl=args.lora_impl, max_num_seqs=n, block_size=llm.config.block_size,
+               num_kv_blocks=llm.config.num_kv_blocks,
                kv_cache_tokens=llm.config.kv_capacity_tokens, token_buckets=list(llm.config.token_buckets),
                decode_row_buckets=list(llm.config.decode_row_buckets), max_num_batched_tokens=llm.config.max_num_batched_tokens,
                kv_plan=sizes["plan"], graphs=llm.config.num_step_graphs, weight_bytes=weight_bytes,
@@ -1208,7 +1209,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attn-impl", default="auto")
     p.add_argument("--attn-chunk", type=int, default=None, help="default: the engine's (128 XLA, 512 Pallas)")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="KV positions per block (default: LLM()'s on a TPU, "
+                                                                "a sixteenth of --max-model-len, 16-128)")
     p.add_argument("--kernel-variants", default="", type=lambda s: [tuple(int(x) for x in v.split("x")) for v in s.split(",") if v],
                    help="extra (block size)x(chunk) pairs for the kernel section, e.g. 16x256,32x256")
     p.add_argument("--load-modes", default="cold,warm", help="comma-separated, of cold, warm, direct")
@@ -1223,6 +1225,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_num_seqs != "auto":
         args.max_num_seqs = int(args.max_num_seqs)
+    if args.block_size is None:
+        try:
+            from jlora.engine_args import default_block_size
+        except ImportError:  # an older jlora (a before/after run): its fixed default
+            args.block_size = 16
+        else:
+            args.block_size = default_block_size(args.max_model_len, "tpu")
     unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
     if unknown:
         p.error(f"--sections: unknown {unknown}; choose from {list(SECTIONS)}")

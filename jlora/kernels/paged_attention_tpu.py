@@ -13,7 +13,11 @@ see to the last, copying into VMEM only the pages its sequence reaches, one DMA 
 and one for V, double-buffered: chunk c+1 is in flight while c is computed, and during a
 program's last chunk the next program's first is (programs run in order, so none starts by
 waiting for its first copy). A page is [bs, KVH*Dh], one contiguous run of HBM, every KV head at
-once. Block tables, chunk ranges and page counts are scalar-prefetched into SMEM. (Copying whole
+once; a full chunk is waited for once for K and once for V (semaphores count bytes), a partial
+one page by page. Block tables, chunk ranges and page counts are scalar-prefetched into SMEM.
+Page size matters more than anything else here: on a v5e chip, 64 rows x 1,024 positions read at
+45% of HBM with 16-position pages and 61-72% with 32-256 (docs/tpu.md, third pass), which is why
+the engine's TPU default block size is a sixteenth of max_model_len. (Copying whole
 chunks instead read 512 positions for a 40-token sequence: on a v5e chip, 238 us of attention
 per layer for 64 such rows, 40% of a decode step's roofline -> 52% once only reached pages move.)
 
@@ -49,6 +53,9 @@ MAX_BLOCK_ROWS = 512  # query rows (queries x heads sharing a tile) per program
 # chunks); 14 and 15 MB did not ("CompileTimeScopedVmemOom", 18.6-19.9 MB actually needed: the
 # 1B shape with 1,024-position chunks, the 8B's prefill with 512 rows).
 VMEM_BUDGET = 10 * 2**20
+# Chunks of at most this many pages issue their DMAs as straight-line code (pl.when per page);
+# longer ones loop.
+UNROLL_PAGES = 16
 
 
 def lane_tiles(kvh: int, dh: int) -> tuple[int, int]:
@@ -101,14 +108,32 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
         pages its rows reach (`n_pages` of the sequence), one K and one V copy per page."""
         row = jax.lax.div(owner, n_qblocks) * blocks_per_seq  # (no floor division: Mosaic's needs the chip)
         first = c * pages
+        n = jnp.clip(n_pages - first, 0, pages)
 
-        def one(p, carry):
+        def one(p):
             page = tables_ref[row + first + p]
             for kind, (src, dst) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf))):
                 action(pltpu.make_async_copy(src.at[layer, page], dst.at[slot, p], sems.at[kind, slot]))
-            return carry
 
-        jax.lax.fori_loop(0, jnp.clip(n_pages - first, 0, pages), one, 0)
+        if pages <= UNROLL_PAGES:  # straight-line scalar code: no loop counter on the scalar core
+            for p in range(pages):
+                pl.when(p < n)(partial(one, p))
+        else:
+            jax.lax.fori_loop(0, n, lambda p, carry: (one(p), carry)[1], 0)
+
+    def wait_chunk(c, slot):
+        """Wait for key chunk c. A full chunk is one wait per K and V (a DMA semaphore counts bytes,
+        so one wait the size of the whole buffer covers its pages); a partial one, page by page."""
+        full = (npg - c * pages) >= pages
+
+        @pl.when(full)
+        def _whole():
+            for kind, (src, dst) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf))):
+                pltpu.make_async_copy(src.at[layer, pl.ds(0, pages)], dst.at[slot], sems.at[kind, slot]).wait()
+
+        @pl.when(jnp.logical_not(full))
+        def _pages():
+            chunk_copies(prog, c, slot, npg, wait)
 
     start, wait = (lambda cp: cp.start()), (lambda cp: cp.wait())
 
@@ -143,7 +168,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
         def _next_program():
             chunk_copies(nxt, next_lo, 1 - slot, next_npg, start)
 
-        chunk_copies(prog, c, slot, npg, wait)
+        wait_chunk(c, slot)
         qpos = qpos_ref[...]  # [rows, 1]
         key = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
         visible = (key <= qpos) & (key > qpos - window)  # [rows, C]
