@@ -194,3 +194,15 @@ def test_host_phases_keep_the_engine_steps_signature():
     assert "finished_only" in inspect.signature(engine.step).parameters
     engine.step(finished_only=True)
     assert calls == [True] and len(phases.calls) == 1
+
+
+def test_qmatmul_rows_are_kept_as_measured():
+    """A chip call's limit can stop the section midway: each row is in `out` (and saved by
+    `on_row`) as soon as it is measured."""
+    saved: list[int] = []
+    kept: list[dict] = []
+    got = tpu.bench_qmatmul(tpu.SHAPES["tiny"], (2,), reps=2, modes=("bf16", "w8a8"), out=kept,
+                            on_row=lambda: saved.append(len(kept)))
+    assert got is kept and saved == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [(r["proj"], r["mode"]) for r in kept[:2]] == [("qkv_proj", "bf16"), ("qkv_proj", "w8a8")]
+    assert all(r["us"] > 0 and "error" not in r for r in kept)

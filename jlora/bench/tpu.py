@@ -58,7 +58,7 @@ import threading
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -957,7 +957,8 @@ QMATMUL_MODES = ("bf16", "w8a16", "w8a16-mixed", "w8a8")
 
 
 def bench_qmatmul(cfg: dict[str, Any], rows: tuple[int, ...], reps: int = 20,
-                  modes: tuple[str, ...] = QMATMUL_MODES) -> list[dict[str, Any]]:
+                  modes: tuple[str, ...] = QMATMUL_MODES, out: list[dict[str, Any]] | None = None,
+                  on_row: Callable[[], None] | None = None) -> list[dict[str, Any]]:
     """Each projection of `cfg` (qkv, gate_up, down, and the lm head) at each row count, as the model
     multiplies it (`quant.linear`, `quant.lm_head`): bf16 weights, int8 weights widened in the matmul
     (W8A16: jlora's form, `q.astype(bf16)` then the dot), the same as one mixed bf16 x int8
@@ -965,7 +966,8 @@ def bench_qmatmul(cfg: dict[str, Any], rows: tuple[int, ...], reps: int = 20,
     and int8 x int8 (W8A8), `reps` calls inside one jit. A projection's weight is sliced from a
     stack of 2 by the loop index (as the layer scan does), so XLA cannot hoist its conversion out of
     the loop; the whole output feeds the next input. Weight bytes / time against the HBM roofline,
-    flops / time against the MXU peak (int8's for W8A8)."""
+    flops / time against the MXU peak (int8's for W8A8). Rows go into `out` as measured, and
+    `on_row()` runs after each (the caller saves: at the 8B's shapes the 32 compiles take minutes)."""
     import jax
     import jax.numpy as jnp
 
@@ -974,7 +976,7 @@ def bench_qmatmul(cfg: dict[str, Any], rows: tuple[int, ...], reps: int = 20,
     d, f = cfg["hidden_size"], cfg["intermediate_size"]
     h, kvh, dh, v = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
     projs = {"qkv_proj": (d, (h + 2 * kvh) * dh), "gate_up_proj": (d, 2 * f), "down_proj": (f, d), "lm_head": (d, v)}
-    out: list[dict[str, Any]] = []
+    out = [] if out is None else out
     key = jax.random.PRNGKey(0)
     for name, (din, dout) in projs.items():
         head = name == "lm_head"
@@ -1015,6 +1017,8 @@ def bench_qmatmul(cfg: dict[str, Any], rows: tuple[int, ...], reps: int = 20,
                 except Exception as e:  # noqa: BLE001 (a mode the chip refuses: say so, measure the rest)
                     print(f"  qmatmul {name} {mode} T={t}: FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
                     out.append(dict(proj=name, mode=mode, rows=t, error=f"{type(e).__name__}: {str(e)[:1500]}"))
+                    if on_row:
+                        on_row()
                     continue
                 flops = 2 * t * din * dout
                 peak = MXU_INT8_OPS if mode == "w8a8" else MXU_FLOPS
@@ -1022,6 +1026,8 @@ def bench_qmatmul(cfg: dict[str, Any], rows: tuple[int, ...], reps: int = 20,
                            gb_s=wbytes / dt / 1e9, hbm_fraction=wbytes / dt / HBM_BYTES_PER_S,
                            tflops=flops / dt / 1e12, mxu_fraction=flops / dt / peak)
                 out.append(row)
+                if on_row:
+                    on_row()
                 print(f"  qmatmul {name:12s} {mode:11s} T={t:5d}: {dt * 1e6:9.1f} us, {row['gb_s']:6.1f} GB/s of weights "
                       f"({row['hbm_fraction']:.0%} of HBM), {row['tflops']:6.1f} TFLOP/s ({row['mxu_fraction']:.0%} of "
                       f"{'int8' if mode == 'w8a8' else 'bf16'} MXU)", flush=True)
@@ -1288,7 +1294,9 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
             rows += bench_kernel(cfg, 1, 1024, 256, block_size=bs, chunk=chunk, impls=("pallas",))
             _save(out, results)
     elif section == "qmatmul":
-        results.setdefault("qmatmul", {})[args.shape] = bench_qmatmul(SHAPES[args.shape], args.qmatmul_rows)
+        measured: list[dict[str, Any]] = []
+        results.setdefault("qmatmul", {})[args.shape] = measured
+        bench_qmatmul(SHAPES[args.shape], args.qmatmul_rows, out=measured, on_row=lambda: _save(out, results))
         _save(out, results)
     elif section == "engine":
         bench_engine(ckpt, out, args, results)
