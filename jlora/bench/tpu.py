@@ -781,11 +781,14 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
 
     # Long enough that every row still decodes in the traced steps: the first rows start decoding
     # while the last prompts are prefilled (one ~1K-token chunk a step).
-    params = SamplingParams(temperature=0.0, max_tokens=n + 40, ignore_eos=True)
+    rows_traced = min(args.profile_rows or n, n)
+    k = args.profile_adapters
+    params = SamplingParams(temperature=0.0, max_tokens=rows_traced + 40, ignore_eos=True)
     rng = np.random.default_rng(99)
     plen = min(1000, args.max_model_len - 32)
     ids = [llm.engine.add_request({"prompt_token_ids": rng.integers(3, cfg.vocab_size, plen).tolist()}, params,
-                                  loras[i % 4]) for i in range(n)]
+                                  loras[i % k] if k else None) for i in range(rows_traced)]
+    eng["profile_adapters"] = k
     # The prefill steps get a trace of their own (where a 1,024-token chunk's time goes).
     prefill_trace = tempfile.mkdtemp(prefix="jlora-trace-prefill-")
     jax.profiler.start_trace(prefill_trace)
@@ -1233,6 +1236,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="row counts of the qmatmul section (decode rows, a prefill chunk)")
     p.add_argument("--agree-shape", default=AGREE_SHAPE, choices=list(SHAPES))
     p.add_argument("--quick", action="store_true", help="engine: skip the async check and the profile")
+    p.add_argument("--profile-rows", type=int, default=None, help="engine profile: sequences traced (default: "
+                                                                  "max_num_seqs; 1 traces the one-row step)")
+    p.add_argument("--profile-adapters", type=int, default=4, choices=range(0, 5),
+                   help="engine profile: adapters round robin over its sequences (0: the base model)")
     p.add_argument("--in-process", action="store_true", help="run every section in this process (a CPU dry run; "
                                                              "on a TPU each chip section needs a fresh process)")
     p.add_argument("--load-child", choices=["cold", "warm", "direct"], help=argparse.SUPPRESS)
