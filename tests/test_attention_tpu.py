@@ -124,6 +124,7 @@ def test_layouts():
     assert query_block(256, 8, 16, chunk=1024, kd=512) == 32  # 1B, 1,024-position chunks: 256 rows
     assert vmem_estimate(512, 512, 1024, 2) > VMEM_BUDGET >= vmem_estimate(256, 512, 1024, 2)
     assert query_block(1, 4, 16, chunk=4096, kd=1024) == 1  # one query always goes
+    assert query_block(512, 4, 16, chunk=512, kd=1024, budget=2 * VMEM_BUDGET) == 128  # a raised limit: 512 rows
 
 
 @pytest.mark.parametrize("shape", [(64, 1, 32, 8, 64, 16, 128), (1, 512, 32, 8, 64, 16, 128),
@@ -200,3 +201,33 @@ def test_cli_flags_reach_llm(cli_llm_kwargs):
     assert kw["attn_impl"] == "pallas" and kw["async_scheduling"] is True and kw["block_size"] == 64
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["generate", "hi", "--attn-impl", "flash"])
+
+
+def test_experiment_knobs_reach_mosaic():
+    """`vmem_limit` and `bounds_checks` (jlora bench tpu --kernel-variants ...+vmemN+nobc) land in
+    the lowered custom call's config for the chip; the defaults add neither."""
+    spec = jax.ShapeDtypeStruct
+    args = (spec((4, 1, 32, 64), jnp.bfloat16), spec((2, 64, 128, 512), jnp.bfloat16),
+            spec((2, 64, 128, 512), jnp.bfloat16), spec((), jnp.int32), spec((4, 1), jnp.int32),
+            spec((4, 16), jnp.int32), spec((), jnp.int32))
+
+    def lowered(**kw) -> str:
+        fn = jax.jit(partial(paged_attention_tpu, chunk=256, interpret=False, **kw))
+        return jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
+
+    plain, knobs = lowered(), lowered(vmem_limit=64 * 2**20, bounds_checks=False)
+    assert "disable_bounds_checks" not in plain and "scoped_memory_configs" not in plain
+    assert "disable_bounds_checks" in knobs and "scoped_memory_configs" in knobs
+
+
+def test_kernel_variant_specs_parse_and_bad_ones_are_named():
+    import argparse
+
+    from jlora.bench.tpu import parse_kernel_variants
+
+    assert parse_kernel_variants("16x256,128x1024+nobc+vmem64") == [
+        (16, 256, {}), (128, 1024, {"bounds_checks": False, "vmem_limit": 64 * 2**20})]
+    assert parse_kernel_variants("") == []
+    for bad in ("128", "128x1024+fast", "axb", "128x1024+vmem"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BSxCHUNK"):
+            parse_kernel_variants(bad)

@@ -206,3 +206,13 @@ def test_qmatmul_rows_are_kept_as_measured():
     assert got is kept and saved == [1, 2, 3, 4, 5, 6, 7, 8]
     assert [(r["proj"], r["mode"]) for r in kept[:2]] == [("qkv_proj", "bf16"), ("qkv_proj", "w8a8")]
     assert all(r["us"] > 0 and "error" not in r for r in kept)
+
+
+def test_kernel_rows_name_their_page_chunk_and_knobs():
+    """Each kernel row says which page size, chunk and knobs it measured (results.json used to
+    leave the variants to the order of the log)."""
+    got = tpu.bench_kernel(tpu.SHAPES["tiny"], 2, 64, 1, reps=2, block_size=16, chunk=32,
+                           kernel_opts={"bounds_checks": False})
+    assert [(r["impl"], r["block_size"], r["chunk"], r.get("kernel_opts")) for r in got] == [
+        ("pallas", 16, 32, {"bounds_checks": False}), ("xla", 16, 32, None)]
+    assert all(r["us"] > 0 and r["max_err"] < 1e-2 for r in got)

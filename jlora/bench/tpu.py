@@ -281,11 +281,34 @@ def make_adapters(cfg: Any, n: int, rank: int, root: Path, seed: int = 0) -> lis
 # ---- the attention kernel alone -----------------------------------------------------------------------
 
 
+def parse_kernel_variants(spec: str) -> list[tuple[int, int, dict[str, Any]]]:
+    """`--kernel-variants`: comma-separated BSxCHUNK, each optionally followed by +nobc (the
+    kernel's DMA bounds checks off) and +vmemN (its scoped VMEM limit, N MiB)."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        size, *flags = item.split("+")
+        try:
+            bs, chunk = (int(x) for x in size.split("x"))
+            opts: dict[str, Any] = {}
+            for f in flags:
+                if f == "nobc":
+                    opts["bounds_checks"] = False
+                elif f.startswith("vmem"):
+                    opts["vmem_limit"] = int(f[4:]) * 2**20
+                else:
+                    raise ValueError(f)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: want BSxCHUNK[+nobc][+vmemN], e.g. 128x1024+nobc+vmem64")
+        out.append((bs, chunk, opts))
+    return out
+
+
 def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: int = 20,
-                 block_size: int = 16, chunk: int = 128, impls: tuple[str, ...] = ("pallas", "xla")) -> list[dict]:
+                 block_size: int = 16, chunk: int = 128, impls: tuple[str, ...] = ("pallas", "xla"),
+                 kernel_opts: dict[str, Any] | None = None) -> list[dict]:
     """Each implementation repeated `reps` times inside one jit (its output feeds the next query, so
     nothing is hoisted); KV bytes a call must read / its time = GB/s. Also its error against the
-    reference on the first call."""
+    reference on the first call. `kernel_opts`: `paged_attention_tpu`'s experiment knobs."""
     import jax
     import jax.numpy as jnp
 
@@ -303,18 +326,22 @@ def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: in
     tables = jnp.asarray(np.random.default_rng(0).permutation(nb)[: rows * mb].reshape(rows, mb), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(context - nq, context, dtype=jnp.int32), (rows, nq))
     layer = jnp.int32(2)
-    fns = {"pallas": lambda q_: paged_attention_tpu(q_, ck, cv, layer, pos, tables, chunk=chunk),
+    opts = dict(kernel_opts or {})
+    fns = {"pallas": lambda q_: paged_attention_tpu(q_, ck, cv, layer, pos, tables, chunk=chunk, **opts),
            "xla": lambda q_: paged_attention(q_, ck, cv, layer, pos, tables, chunk=chunk)}
     want = paged_attention_reference(q, ck, cv, layer, pos, tables)
     kv_bytes = rows * context * kvh * dh * 2 * 2  # K and V, bf16
     out = []
     for impl in impls:
         fn = fns[impl]
+        what = dict(impl=impl, rows=rows, context=context, q=nq, block_size=block_size, chunk=chunk,
+                    **({"kernel_opts": opts} if impl == "pallas" and opts else {}))
+        label = f"{impl:6s} rows={rows} ctx={context} q={nq} bs={block_size} chunk={chunk}{' ' + str(opts) if opts else ''}"
         try:
             err = float(jnp.abs(fn(q) - want).max())
         except Exception as e:  # a kernel Mosaic refuses: say so and measure the rest
-            print(f"  kernel {impl} rows={rows} ctx={context} q={nq}: FAILED {type(e).__name__}: {str(e)[:1500]}")
-            out.append(dict(impl=impl, rows=rows, context=context, q=nq, error=f"{type(e).__name__}: {str(e)[:1500]}"))
+            print(f"  kernel {label}: FAILED {type(e).__name__}: {str(e)[:1500]}")
+            out.append(dict(what, error=f"{type(e).__name__}: {str(e)[:1500]}"))
             continue
 
         @jax.jit
@@ -327,9 +354,9 @@ def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: in
         t0 = time.perf_counter()
         loop(q).block_until_ready()
         dt = (time.perf_counter() - t0) / reps
-        out.append(dict(impl=impl, rows=rows, context=context, q=nq, us=dt * 1e6, gb_s=kv_bytes / dt / 1e9,
-                        hbm_fraction=kv_bytes / dt / HBM_BYTES_PER_S, max_err=err))
-        print(f"  kernel {impl:6s} rows={rows} ctx={context} q={nq}: {dt * 1e6:8.1f} us, "
+        out.append(dict(what, us=dt * 1e6, gb_s=kv_bytes / dt / 1e9, hbm_fraction=kv_bytes / dt / HBM_BYTES_PER_S,
+                        max_err=err))
+        print(f"  kernel {label}: {dt * 1e6:8.1f} us, "
               f"{kv_bytes / dt / 1e9:6.1f} GB/s ({kv_bytes / dt / HBM_BYTES_PER_S:.0%} of HBM), max err {err:.1e}",
               flush=True)
     return out
@@ -1229,8 +1256,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--block-size", type=int, default=None, help="KV positions per block (default: LLM()'s on a TPU, "
                                                                 "a sixteenth of --max-model-len, 16-128)")
-    p.add_argument("--kernel-variants", default="", type=lambda s: [tuple(int(x) for x in v.split("x")) for v in s.split(",") if v],
-                   help="extra (block size)x(chunk) pairs for the kernel section, e.g. 16x256,32x256")
+    p.add_argument("--kernel-variants", default="", type=parse_kernel_variants,
+                   help="extra (block size)x(chunk) pairs for the kernel section, each with optional +nobc (no DMA "
+                        "bounds checks) and +vmemN (scoped VMEM limit, MiB), e.g. 16x256,128x1024+nobc+vmem64")
     p.add_argument("--load-modes", default="cold,warm", help="comma-separated, of cold, warm, direct")
     p.add_argument("--qmatmul-rows", type=lambda s: tuple(int(x) for x in s.split(",")), default=(32, 512),
                    help="row counts of the qmatmul section (decode rows, a prefill chunk)")
@@ -1295,10 +1323,9 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
             for impl, chunk in (("pallas", args.attn_chunk or 512), ("xla", args.attn_chunk or 128)):
                 rows += bench_kernel(cfg, r, ctx, nq, block_size=args.block_size, chunk=chunk, impls=(impl,))
             _save(out, results)
-        for bs, chunk in args.kernel_variants:  # other page and chunk sizes, the Pallas kernel only
-            rows += bench_kernel(cfg, 64, 1024, 1, block_size=bs, chunk=chunk, impls=("pallas",))
-            rows += bench_kernel(cfg, 64, 256, 1, block_size=bs, chunk=chunk, impls=("pallas",))  # short rows
-            rows += bench_kernel(cfg, 1, 1024, 256, block_size=bs, chunk=chunk, impls=("pallas",))
+        for bs, chunk, opts in args.kernel_variants:  # other page and chunk sizes, the Pallas kernel only
+            for r, ctx, nq in ((64, 1024, 1), (64, 256, 1), (1, 1024, 256)):  # long rows, short rows, prefill
+                rows += bench_kernel(cfg, r, ctx, nq, block_size=bs, chunk=chunk, impls=("pallas",), kernel_opts=opts)
             _save(out, results)
     elif section == "qmatmul":
         measured: list[dict[str, Any]] = []

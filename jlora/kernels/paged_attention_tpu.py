@@ -53,6 +53,7 @@ MAX_BLOCK_ROWS = 512  # query rows (queries x heads sharing a tile) per program
 # chunks); 14 and 15 MB did not ("CompileTimeScopedVmemOom", 18.6-19.9 MB actually needed: the
 # 1B shape with 1,024-position chunks, the 8B's prefill with 512 rows).
 VMEM_BUDGET = 10 * 2**20
+DEFAULT_SCOPED_VMEM = 16 * 2**20  # Mosaic's scoped VMEM limit on a v5e unless vmem_limit is given
 # Chunks of at most this many pages issue their DMAs as straight-line code (pl.when per page);
 # longer ones loop.
 UNROLL_PAGES = 16
@@ -76,13 +77,14 @@ def vmem_estimate(rows: int, chunk: int, kd: int, itemsize: int) -> int:
     return buffers + rows * per_row
 
 
-def query_block(nq: int, rows_per_query: int, sublanes: int, chunk: int = 0, kd: int = 0, itemsize: int = 2) -> int:
-    """Queries per program: the largest divisor of Q whose rows fit MAX_BLOCK_ROWS and VMEM_BUDGET
+def query_block(nq: int, rows_per_query: int, sublanes: int, chunk: int = 0, kd: int = 0, itemsize: int = 2,
+                budget: int = VMEM_BUDGET) -> int:
+    """Queries per program: the largest divisor of Q whose rows fit MAX_BLOCK_ROWS and `budget`
     (`vmem_estimate`; chunk=0 skips that check) and tile the sublanes (or all Q, which any block
     shape allows)."""
     def fits(d: int) -> bool:
         rows = d * rows_per_query
-        return rows <= MAX_BLOCK_ROWS and (not chunk or d == 1 or vmem_estimate(rows, chunk, kd, itemsize) <= VMEM_BUDGET)
+        return rows <= MAX_BLOCK_ROWS and (not chunk or d == 1 or vmem_estimate(rows, chunk, kd, itemsize) <= budget)
 
     for d in range(nq, 0, -1):
         if nq % d == 0 and fits(d) and (d == nq or d * rows_per_query % sublanes == 0):
@@ -199,7 +201,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
     o_ref[...] = acc_ref[...] / jnp.where(l > 0, l, 1.0)
 
 
-@partial(jax.jit, static_argnames=("chunk", "interpret"))
+@partial(jax.jit, static_argnames=("chunk", "interpret", "vmem_limit", "bounds_checks"))
 def paged_attention_tpu(
     q: jax.Array,  # [B, Q, H, Dh]
     cache_k: jax.Array,  # [L, NB, bs, KVH*Dh], float32 / bfloat16 / float16
@@ -211,6 +213,11 @@ def paged_attention_tpu(
     *,
     chunk: int,  # key positions per DMA'd chunk, a multiple of bs
     interpret: bool | pltpu.InterpretParams | None = None,  # None: interpret unless running on a TPU
+    # Experiment knobs (jlora bench tpu --kernel-variants), not the engine's: Mosaic's scoped VMEM
+    # limit in bytes (None: its default, 16 MiB on a v5e; the query-block budget scales with it),
+    # and its DMA bounds checks (peers turn them off for many small DMAs).
+    vmem_limit: int | None = None,
+    bounds_checks: bool = True,
 ) -> jax.Array:  # f32[B, Q, H, Dh], zeros for a padded query
     validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window)
     if cache_k.dtype == jnp.uint16:
@@ -226,7 +233,8 @@ def paged_attention_tpu(
     nt = kd // lt
     rq = hpt * g  # rows per query in a tile: its heads in the tile x the query heads of each
     cdt = cache_k.dtype
-    qb = query_block(nq, rq, 16 if jnp.dtype(cdt).itemsize == 2 else 8, chunk, kd, jnp.dtype(cdt).itemsize)
+    budget = VMEM_BUDGET if vmem_limit is None else VMEM_BUDGET * vmem_limit // DEFAULT_SCOPED_VMEM
+    qb = query_block(nq, rq, 16 if jnp.dtype(cdt).itemsize == 2 else 8, chunk, kd, jnp.dtype(cdt).itemsize, budget)
     nqb, rows = nq // qb, qb * rq
 
     # Each row: its query head's vector at its KV head's lanes of the tile, zeros elsewhere.
@@ -270,7 +278,8 @@ def paged_attention_tpu(
                 pltpu.SMEM((2,), jnp.int32),
             ],
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=vmem_limit,
+                                             disable_bounds_checks=not bounds_checks),
         interpret=interpret,
         name="jlora_paged_attention",
     )(meta, block_tables.astype(jnp.int32).reshape(-1), lo.reshape(-1), hi.reshape(-1),
