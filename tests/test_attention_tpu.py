@@ -20,7 +20,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jlora.kernels.attention import paged_attention_reference
 from jlora.engine.runner import whole_cache_copies
-from jlora.kernels.paged_attention_tpu import UNROLL_PAGES, VMEM_BUDGET, lane_tiles, paged_attention_tpu, query_block, vmem_estimate
+from jlora.kernels.paged_attention_tpu import (UNROLL_PAGES, VMEM_BUDGET, lane_tiles, paged_attention_tpu, query_block,
+                                               vmem_estimate)
 
 
 def make_case(h: int, kvh: int, dh: int, bs: int, nq: int, max_len: int = 384, layers: int = 2, seed: int = 0,

@@ -409,7 +409,8 @@ def test_bench_prefix_runs_on_a_small_checkpoint(tmp_path, capsys):
     assert res["on"]["prefix_cache_hits"] > 0 == res["off"]["prefix_cache_hits"]
     assert "| prompt tokens computed |" in out
     md = (out_dir / "prefix.md").read_text()
-    assert "| prompt tokens computed |" in md and "max_num_seqs=4" in md and "Same tokens in both modes: True (8 of 8 requests identical" in md
+    assert "| prompt tokens computed |" in md and "max_num_seqs=4" in md
+    assert "Same tokens in both modes: True (8 of 8 requests identical" in md
 
 
 def test_no_enable_prefix_caching_flag_reaches_llm_from_generate_and_serve(cli_llm_kwargs):

@@ -398,7 +398,7 @@ def test_quantized_serving_step_lowers_for_tpu(tmp_path, monkeypatch, quantizati
             int8 = [ln for ln in dots if re.search(r"\(tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>", ln)]
             # 4 projections in the layer scan + the lm head (+ the prompt-logprob head in a prefill step).
             assert len(int8) == (0 if quantization == "int8-weight-only" else 5 + (shape[1] > 0)), (shape, int8)
-            if quantization == "int8-weight-only":  # the head [512, 256] widened inside the dot, not chunk by chunk in f32
+            if quantization == "int8-weight-only":  # the head [512, 256] widened in the dot, not chunk by chunk in f32
                 assert any(re.search(r"tensor<512x256xbf16>\) -> tensor<[0-9x]+x512xf32>", ln) for ln in dots), shape
                 assert not any("tensor<512x256xf32>" in ln for ln in dots), shape
             # The LoRA shrink (x [T, 256] by every slot's A lanes) multiplies bf16 by bf16.

@@ -336,7 +336,8 @@ def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: in
         fn = fns[impl]
         what = dict(impl=impl, rows=rows, context=context, q=nq, block_size=block_size, chunk=chunk,
                     **({"kernel_opts": opts} if impl == "pallas" and opts else {}))
-        label = f"{impl:6s} rows={rows} ctx={context} q={nq} bs={block_size} chunk={chunk}{' ' + str(opts) if opts else ''}"
+        label = (f"{impl:6s} rows={rows} ctx={context} q={nq} bs={block_size} chunk={chunk}"
+                 + (f" {opts}" if impl == "pallas" and opts else ""))
         try:
             err = float(jnp.abs(fn(q) - want).max())
         except Exception as e:  # a kernel Mosaic refuses: say so and measure the rest
@@ -698,7 +699,8 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
         res["engine_skipped"] = str(e)
         _save(out, results)
         return
-    print(f"engine {tag}: block size {args.block_size}, max_num_seqs {sizes['max_num_seqs']}, token buckets {sizes['token_buckets']}, decode row "
+    print(f"engine {tag}: block size {args.block_size}, max_num_seqs {sizes['max_num_seqs']}, token buckets "
+          f"{sizes['token_buckets']}, decode row "
           f"buckets {sizes['decode_row_buckets']}" + (f", KV plan {json.dumps(sizes['plan'])}" if sizes["plan"] else ""),
           flush=True)
     t0 = time.perf_counter()
@@ -930,7 +932,8 @@ def load_child(args: argparse.Namespace) -> int:
             largest_float = max(largest_float, int(x.nbytes))
     res = dict(mode=mode, shape=args.shape, quantization=args.quantization, dtype=args.dtype,
                seconds_with_hash=stats["seconds"] + hash_s, hash_s=hash_s, jax_init_s=init_s, **stats,
-               **rss.result(), numpy_heap_peak_added_bytes=heap_peak_added, device_bytes_by_dtype=dict(by_dtype), largest_float_array_bytes=largest_float,
+               **rss.result(), numpy_heap_peak_added_bytes=heap_peak_added, device_bytes_by_dtype=dict(by_dtype),
+               largest_float_array_bytes=largest_float,
                device_memory=mem,
                device_peak_over_final_bytes=(mem["peak_bytes_in_use"] - mem["bytes_in_use"]
                                              if "peak_bytes_in_use" in mem and "bytes_in_use" in mem else None),
@@ -972,8 +975,8 @@ def bench_load(args: argparse.Namespace, out: Path, results: dict[str, Any]) -> 
             gb = lambda v: "n/a" if v is None else f"{v / 1e9:.2f} GB"  # noqa: E731
             print(f"load {tag} {mode}: {r['seconds']:.1f} s (+{r['hash_s']:.1f} s hashing the checkpoint), peak host "
                   f"RSS +{gb(r['peak_added_bytes'])} above the start (reset: {r['peak_reset']}; sampled: VmRSS "
-                  f"+{gb(r['sampled_peak_added_VmRSS'])}, anonymous +{gb(r['sampled_peak_added_RssAnon'])}; Python and NumPy "
-                  f"heap +{gb(r.get('numpy_heap_peak_added_bytes'))}), device "
+                  f"+{gb(r['sampled_peak_added_VmRSS'])}, anonymous +{gb(r['sampled_peak_added_RssAnon'])}; "
+                  f"Python and NumPy heap +{gb(r.get('numpy_heap_peak_added_bytes'))}), device "
                   f"{gb(r['device_bytes'])} {r['device_bytes_by_dtype']}, device peak over final "
                   f"{gb(r['device_peak_over_final_bytes'])}, JAX start {r['jax_init_s']:.1f} s", flush=True)
         _save(out, results)
