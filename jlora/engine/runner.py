@@ -246,7 +246,7 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         groups = [AttnGroup(batch["dec_positions"][:, None], batch["dec_tables"])]
         if batch["pre_positions"].shape[0]:
-            groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"]))
+            groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"], runs=True))
         hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
                                       lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl)
         logits = model.logits(hidden[batch["sample_index"]])
