@@ -112,6 +112,8 @@ def test_special_batches(impl, kind):
 
 PACKED_IMPLS = {
     "gather": lora_delta_gather, **XLA_IMPLS, "auto": lora_delta,
+    # laned's TPU expand for T > 64: one block-diagonal matmul (laned_dense.block_diagonal)
+    "laned_block": partial(lora_delta_laned, block_expand=True),
     "pallas_tpu": partial(lora_delta_pallas, target="tpu", interpret=True),
     "pallas_gpu": partial(lora_delta_pallas, target="gpu", interpret=True),
 }
@@ -149,9 +151,10 @@ def test_packed_splits_shard_major(impl, shards):
     sub-module (widths `splits`); sub-module s of shard j equals the gather reference on s's lanes
     and those columns alone."""
     splits, r = (16, 8, 8), 4
-    x, a, b, s = make(12, 3, len(splits) * r, jnp.float32, o=shards * sum(splits), seed=5)
+    t = 100 if impl == "laned_block" else 12  # the block-diagonal expand is laned's path above T = 64
+    x, a, b, s = make(t, 3, len(splits) * r, jnp.float32, o=shards * sum(splits), seed=5)
     b = b[:, :r]
-    want = np.zeros((12, shards * sum(splits)), np.float32)
+    want = np.zeros((t, shards * sum(splits)), np.float32)
     for j in range(shards):
         start = j * sum(splits)
         for k, w in enumerate(splits):

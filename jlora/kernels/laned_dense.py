@@ -17,6 +17,7 @@ N=4, R=32, so nothing stays in cache): batched/einsum = 8.9/34.0 ms at T=4, 10.5
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 
 import jax
@@ -27,7 +28,7 @@ from jlora.kernels.common import expand_splits, validate_lora_args
 BATCHED_SHRINK_MAX_T = 64  # crossover measured in a model-shaped stream on XLA:CPU (see above)
 
 
-@partial(jax.jit, static_argnames=("splits",))
+@partial(jax.jit, static_argnames=("splits", "block_expand"))
 def lora_delta_laned(
     x: jax.Array,  # [T, D] f32/bf16
     a: jax.Array,  # [N, D, R]
@@ -35,6 +36,7 @@ def lora_delta_laned(
     slot_ids: jax.Array,  # i32[T], -1 = no adapter
     *,
     splits: tuple[int, ...] | None = None,  # packed module: a [N, D, S*R], output widths per sub-module
+    block_expand: bool | None = None,  # T > 64 with splits: one block-diagonal expand (None: on a TPU)
 ) -> jax.Array:  # [T, O] in x.dtype
     validate_lora_args(x, a, b, slot_ids, splits)
     t, n = x.shape[0], a.shape[0]
@@ -52,6 +54,28 @@ def lora_delta_laned(
         h = jnp.einsum("td,ndr->tnr", x, a, preferred_element_type=jnp.float32)  # [T, N, R]
         keep = slot_ids[:, None] == slots[None, :]  # [T, N]
         h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)
-        y = expand_splits(h, b, splits, lambda h, b: jnp.einsum("tnr,nro->to", h, b,
-                                                                preferred_element_type=jnp.float32))
+        if block_expand is None:
+            block_expand = jax.default_backend() == "tpu"
+        if splits is not None and block_expand:
+            y = jnp.einsum("tnk,nko->to", h, block_diagonal(b, splits), preferred_element_type=jnp.float32)
+        else:
+            y = expand_splits(h, b, splits, lambda h, b: jnp.einsum("tnr,nro->to", h, b,
+                                                                    preferred_element_type=jnp.float32))
     return y.astype(x.dtype)
+
+
+def block_diagonal(
+    b: jax.Array,  # [N, R, O]: sub-module s owns its columns of each shard's block (expand_splits)
+    splits: tuple[int, ...],
+) -> jax.Array:  # [N, S*R, O]: rows s*R..(s+1)*R keep sub-module s's columns, zeros elsewhere
+    """A packed module's B as one block-diagonal matrix, so its expand is one matmul over S*R
+    lanes (S times the MXU work of the split expand, which at R <= 64 is still small) whose
+    [T, O] result XLA can add to the base projection's output in one pass. The split expand
+    writes S slices and concatenates them, [T, O] more than once: on a v5e chip 168 us a
+    layer for gate_up at a 1,088-token step (docs/tpu.md)."""
+    per_shard = sum(splits)
+    col = jnp.arange(b.shape[-1]) % per_shard  # a column's place in its shard's block
+    bounds = [0, *itertools.accumulate(splits)]
+    rows = [jnp.where((col >= bounds[s]) & (col < bounds[s + 1]), b, jnp.zeros((), b.dtype))
+            for s in range(len(splits))]
+    return jnp.concatenate(rows, axis=-2)
