@@ -20,8 +20,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jlora.kernels.attention import paged_attention_reference
 from jlora.engine.runner import whole_cache_copies
-from jlora.kernels.paged_attention_tpu import (UNROLL_PAGES, VMEM_BUDGET, lane_tiles, paged_attention_tpu, query_block,
-                                               vmem_estimate)
+from jlora.kernels.paged_attention_tpu import (UNROLL_PAGES, VMEM_BUDGET, default_chunk, lane_tiles,
+                                               paged_attention_tpu, query_block, vmem_estimate)
 
 
 def make_case(h: int, kvh: int, dh: int, bs: int, nq: int, max_len: int = 384, layers: int = 2, seed: int = 0,
@@ -158,6 +158,8 @@ def test_engine_with_the_kernel_equals_the_xla_loop(tiny_dir, tiny_adapters):
     for impl in ("xla", "pallas"):
         llm = LLM(str(tiny_dir[0]), attn_impl=impl, **engine)
         assert llm.engine.runner.attn_impl == impl
+        # attn_chunk=None: the kernel's default_chunk (a 64-lane f32 row here: 1,024), the XLA loop's 128
+        assert llm.engine.runner.attn_chunk == (1024 if impl == "pallas" else 128)
         outs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
         runner = llm.engine.runner
         assert len(runner._executables) == llm.config.num_step_graphs
@@ -232,3 +234,11 @@ def test_kernel_variant_specs_parse_and_bad_ones_are_named():
     for bad in ("128", "128x1024+fast", "axb", "128x1024+vmem"):
         with pytest.raises(argparse.ArgumentTypeError, match="BSxCHUNK"):
             parse_kernel_variants(bad)
+
+
+def test_default_chunk_keeps_a_chunks_buffers_within_4_mib():
+    """1,024 positions for the 1B shape's bf16 rows (8 KV heads x 64: 1 KB), 512 for the 8B's
+    (8 x 128: 2 KB) and for float32 rows of 1B's width."""
+    assert default_chunk(8 * 64 * 2) == 1024
+    assert default_chunk(8 * 128 * 2) == 512 and default_chunk(8 * 64 * 4) == 512
+    assert default_chunk(3 * 64 * 2) == 1024  # SmolLM2's 3 KV heads

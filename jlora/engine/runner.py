@@ -31,6 +31,7 @@ from jlora import compile_stats
 from jlora.adapters.manager import LoRASlots, SlotWrite
 from jlora.engine.config import EngineConfig
 from jlora.engine.structured import fill_mask
+from jlora.kernels.paged_attention_tpu import default_chunk
 from jlora.models import quant
 from jlora.models.llama import AttnGroup, Llama, init_cache
 from jlora.models.tensor_parallel import CACHE_SPEC, TensorParallel, fetch, layout_model, weight_spec
@@ -208,7 +209,9 @@ class ModelRunner:
             shardings = dict(out_shardings=(self.tp.replicated, self.tp.replicated,
                                             {k: x.sharding for k, x in self.cache.items()}))
         self.attn_impl = resolve_attn_impl(config.attn_impl, self.tp.size, self.kv_dtype)
-        self.attn_chunk = config.attn_chunk or (512 if self.attn_impl == "pallas" else 128)
+        kv_cfg = self.layout_cfg
+        kv_row_bytes = kv_cfg.num_key_value_heads * kv_cfg.head_dim * jnp.dtype(self.kv_dtype).itemsize
+        self.attn_chunk = config.attn_chunk or (default_chunk(kv_row_bytes) if self.attn_impl == "pallas" else 128)
         self._step = jax.jit(self._step_impl, static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl"),
                              donate_argnames=("cache",),
                              **(shardings or {}))

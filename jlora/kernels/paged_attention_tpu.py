@@ -59,6 +59,14 @@ DEFAULT_SCOPED_VMEM = 16 * 2**20  # Mosaic's scoped VMEM limit on a v5e unless v
 UNROLL_PAGES = 16
 
 
+def default_chunk(kv_row_bytes: int) -> int:
+    """The engine's key chunk for this kernel (`attn_chunk=None`): 1,024 positions where a chunk's
+    K and V double buffers take at most 4 MiB of VMEM (a [bs, KVH*Dh] row of 1 KB or less, as at
+    the 1B shape), else 512 (the 8B's 2 KB rows, whose prefill blocks need the room). On a v5e
+    chip 1,024 took the 1B seed workload's decode step from 9.93 to 9.33 ms (docs/tpu.md)."""
+    return 1024 if 2 * 2 * 1024 * kv_row_bytes <= 4 * 2**20 else 512
+
+
 def lane_tiles(kvh: int, dh: int) -> tuple[int, int]:
     """(lane tile width LT, KV heads per tile) for a [.., KVH*Dh] cache row."""
     if dh % 128 == 0:
@@ -237,10 +245,15 @@ def paged_attention_tpu(
     qb = query_block(nq, rq, 16 if jnp.dtype(cdt).itemsize == 2 else 8, chunk, kd, jnp.dtype(cdt).itemsize, budget)
     nqb, rows = nq // qb, qb * rq
 
-    # Each row: its query head's vector at its KV head's lanes of the tile, zeros elsewhere.
-    q6 = (q.astype(jnp.float32) / math.sqrt(dh)).reshape(bsz, nq, nt, hpt, g, dh)
-    qt = jnp.einsum("bqthgd,hk->btqhgkd", q6, jnp.eye(hpt, dtype=jnp.float32))
-    qt = qt.reshape(bsz, nt, nq * rq, lt).astype(cdt)
+    # Each row: its query head's vector at its KV head's lanes of the tile, zeros elsewhere. Built
+    # from [rows, Dh] slabs and lane concatenations: a 7-D einsum with an identity here made
+    # XLA:TPU tile its (heads, Dh) minor axes and re-lay them out, ~200 us a layer at a
+    # 1,024-token prefill (more than the kernel itself; docs/tpu.md).
+    rows_q = (q.astype(jnp.float32) / math.sqrt(dh)).astype(cdt).reshape(bsz, nq, nt, hpt * g, dh)
+    rows_q = rows_q.transpose(0, 2, 1, 3, 4).reshape(bsz, nt, nq * rq, dh)  # rows (query, head, group)
+    head = (jnp.arange(nq * rq, dtype=jnp.int32) // g % hpt)[:, None]  # each row's head within its tile
+    qt = rows_q if hpt == 1 else jnp.concatenate(
+        [jnp.where(head == j, rows_q, jnp.zeros((), cdt)) for j in range(hpt)], axis=-1)
     qpos = jnp.broadcast_to(positions.astype(jnp.int32)[:, :, None], (bsz, nq, rq)).reshape(bsz, nq * rq, 1)
 
     # The key chunks each program visits: up to its furthest query, from the first its window shows.
@@ -285,7 +298,8 @@ def paged_attention_tpu(
     )(meta, block_tables.astype(jnp.int32).reshape(-1), lo.reshape(-1), hi.reshape(-1),
       npages.reshape(-1), qpos, qt, cache_k, cache_v)
 
-    # Keep each row's own head's lanes: [B, NT, Q, hpt, G, hpt', Dh] on its diagonal.
-    out = out.reshape(bsz, nt, nq, hpt, g, hpt, dh)
-    out = jnp.einsum("btqhgkd,hk->bqthgd", out, jnp.eye(hpt, dtype=jnp.float32))
+    # Keep each row's own head's lanes, then back to [B, Q, H, Dh].
+    if hpt > 1:
+        out = sum(jnp.where(head == j, out[..., j * dh:(j + 1) * dh], 0.0) for j in range(hpt))
+    out = out.reshape(bsz, nt, nq, hpt * g, dh).transpose(0, 2, 1, 3, 4)
     return out.reshape(bsz, nq, h, dh)
