@@ -305,6 +305,12 @@ class LLM:
 
     # ---- introspection -----------------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's `LLM.reset_prefix_cache`), e.g. to time or
+        compare runs of the same prompts from scratch. Returns False, forgetting nothing, while
+        requests are unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def update_adapter(self, name: str, params: Any, config: Any, lora_int_id: int, *,
                        adapter: int = 0) -> LoRARequest:
         """Serve trained weights under `name`, from memory: `params` is a training pytree in the

@@ -132,6 +132,22 @@ def test_hit_skips_the_cached_prefix_and_keeps_outputs(on, off):
     assert off.engine.stats().prefix_cache_queries == 0
 
 
+def test_reset_prefix_cache_forgets_cached_prompts_between_runs(on):
+    prompt = tokens(90, 70)
+    run(on, [prompt], greedy(4))
+    assert run(on, [prompt], greedy(4))[0].num_cached_tokens == 64
+    assert on.reset_prefix_cache() is True
+    assert on.engine.stats().kv_blocks_cached == 0
+    assert run(on, [prompt], greedy(4))[0].num_cached_tokens == 0  # recomputed from scratch
+    rid = on.engine.add_request({"prompt_token_ids": prompt}, greedy(4))
+    assert on.reset_prefix_cache() is False  # a request is unfinished: nothing is forgotten
+    while on.engine.has_unfinished():
+        on.engine.step()
+    on.engine.pop_finished(rid)
+    assert run(on, [prompt], greedy(4))[0].num_cached_tokens == 64
+    assert on.reset_prefix_cache() is True  # the shared engine leaves as it came: nothing cached
+
+
 def test_no_leak_across_adapters_or_the_base(on, off, tiny_adapters):
     prompt = tokens(4, 50)
     a = LoRARequest("leakA", 701, str(tiny_adapters[1]))

@@ -769,6 +769,16 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     adapters = make_adapters(cfg, 4, args.rank, Path(args.dir) / f"adapters-{args.shape}")
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     compiles_before = compile_stats.compile_count()
+    # The adapters load before the timed workloads, so those compare LoRA's cost, not a first load
+    # from disk (on the chip, ~1 s of the first 4-adapter workload's 5.1 s, 2026-12-06).
+    from jlora import SamplingParams as _SP
+
+    t_load = time.perf_counter()
+    llm.generate([{"prompt_token_ids": [3, 4, 5]}] * len(loras), _SP(max_tokens=1), lora_request=loras,
+                 use_tqdm=False)
+    eng["adapter_first_load_s"] = time.perf_counter() - t_load
+    print(f"{len(loras)} adapters loaded in {eng['adapter_first_load_s']:.2f} s (before the timed workloads)",
+          flush=True)
     rows = res.setdefault("workloads", [])
     names = args.workloads or DEFAULT_WORKLOADS.get(args.shape, "")
     picked = set(names.split(",")) if names else None
@@ -794,6 +804,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
         got = {}
         for mode in (True, False):
             llm.engine._async = mode
+            llm.reset_prefix_cache()  # else the second mode reuses the first's prompt blocks: other steps
             got[mode] = [o.outputs[0].token_ids for o in llm.generate(
                 prompts, SP(temperature=0.0, max_tokens=32, ignore_eos=True), lora_request=[loras[i % 4] for i in range(8)],
                 use_tqdm=False)]

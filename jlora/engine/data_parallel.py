@@ -186,6 +186,9 @@ class DataParallelEngine:
     def has_unfinished(self) -> bool:
         return any(r.has_unfinished() for r in self.replicas)
 
+    def reset_prefix_cache(self) -> bool:
+        return not self.has_unfinished() and all([r.reset_prefix_cache() for r in self.replicas])
+
     def abort(self, request_id: str) -> RequestOutput | None:
         eng = self._owner.get(request_id)
         return None if eng is None else eng.abort(request_id)

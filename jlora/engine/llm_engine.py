@@ -199,6 +199,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`): later requests recompute their
+        prompts. False, and nothing forgotten, while requests are unfinished."""
+        if self.has_unfinished():
+            return False
+        self.scheduler.kv.drop_cache()
+        return True
+
     def _fail_request(self, request_id: str, reason: str, error: str | None = None) -> None:
         """Finish every unfinished sequence of a request with `reason` ("abort" or "error"), in time
         linear in its sequences."""
