@@ -128,7 +128,8 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
     cmd = [sys.executable, "-m", "jlora.bench.tpu", "--shape", "tiny", "--dir", str(tmp_path / "d"), "--out", str(out),
            "--sections", "checkpoint,load,qmatmul,agree,engine,warm", "--quantization", "int8",
            "--workloads", "11", "--max-num-seqs", "auto", "--max-seqs-cap", "3", "--token-buckets", "128",
-           "--max-num-batched-tokens", "128", "--qmatmul-rows", "4", "--agree-shape", "tiny", "--quick"]
+           "--max-num-batched-tokens", "128", "--qmatmul-rows", "4", "--agree-shape", "tiny", "--quick",
+           "--lora-slices", "before"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     r = json.loads((out / "results.json").read_text())
@@ -143,6 +144,7 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
     assert eng["quantization"] == "int8" and eng["activations"] == "int8" and eng["max_num_seqs"] == 3
     assert eng["block_size"] == 128  # the TPU's automatic size at max_model_len 2048, as the chip would run it
     assert eng["compiles_after_warmup"] == 0 and eng["whole_cache_copies"] == [] and eng["whole_weight_copies"] == []
+    assert eng["lora_slices"] == "before" and eng["adapter_first_load_s"] > 0  # adapters loaded before the timing
     (row,) = run["workloads"]
     assert row["quantization"] == "int8" and row["requests"] == 3 and row["generated"] == 3 * 256
     assert run["warm"]["weights_cache_hit"] is True and run["warm"]["compiles"] == run["warm"]["cache_hits"]

@@ -155,3 +155,25 @@ def test_missing_model_and_malformed_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     with pytest.raises(ValueError, match="missing required fields"):
         load_model(tmp_path)
+
+
+def test_lora_slices_before_the_conditional_change_nothing(monkeypatch):
+    """LORA_SLICES="before" (a layer's slots sliced before the LoRA conditional, a TPU experiment)
+    gives the logits "inside" gives, bit for bit, with adapters and without."""
+    from jlora.models import Llama, init_lora_state, llama
+
+    cfg = LlamaConfig.preset("tiny")
+    m = Llama(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    lora = jax.tree.map(lambda z: jnp.asarray(rng.normal(size=z.shape) * 0.1, z.dtype),
+                        init_lora_state(cfg, max_loras=2, max_rank=4))
+    toks = jnp.array([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
+    pos = jnp.tile(jnp.arange(4, dtype=jnp.int32), (2, 1))
+    got = {}
+    for where in ("inside", "before"):
+        monkeypatch.setattr(llama, "LORA_SLICES", where)
+        got[where] = [np.asarray(m(toks, pos, init_cache(cfg, 2, 8), lora, jnp.array(ids, jnp.int32))[0])
+                      for ids in ([-1, -1], [0, 1])]
+    for a, b in zip(got["inside"], got["before"]):
+        np.testing.assert_array_equal(a, b)
+    assert not np.allclose(got["inside"][0], got["inside"][1])  # the slots are read

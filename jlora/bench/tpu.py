@@ -660,6 +660,12 @@ def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_i
         extra["attn_chunk"] = args.attn_chunk
     if sizes.get("num_kv_blocks"):
         extra["num_kv_blocks"] = sizes["num_kv_blocks"]
+    from jlora.models import llama
+
+    if hasattr(llama, "LORA_SLICES"):  # (an older jlora has no choice)
+        llama.LORA_SLICES = args.lora_slices
+    elif args.lora_slices != "inside":
+        raise SystemExit(f"--lora-slices {args.lora_slices}: this jlora slices its LoRA slots one way only")
     return LLM(str(ckpt), dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
                max_num_seqs=sizes["max_num_seqs"], max_num_batched_tokens=sizes["max_num_batched_tokens"],
                token_buckets=sizes["token_buckets"], decode_row_buckets=sizes["decode_row_buckets"], max_loras=4,
@@ -744,7 +750,8 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                weights_cache_hit=getattr(llm, "weights_cache_hit", None),
                attn_impl=getattr(runner, "attn_impl", "xla (before)"),
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
-               lora_impl=args.lora_impl, max_num_seqs=n, block_size=llm.config.block_size,
+               lora_impl=args.lora_impl, lora_slices=args.lora_slices, max_num_seqs=n,
+               block_size=llm.config.block_size,
                num_kv_blocks=llm.config.num_kv_blocks,
                kv_cache_tokens=llm.config.kv_capacity_tokens, token_buckets=list(llm.config.token_buckets),
                decode_row_buckets=list(llm.config.decode_row_buckets), max_num_batched_tokens=llm.config.max_num_batched_tokens,
@@ -1266,6 +1273,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lora-impl", default="auto")
     p.add_argument("--attn-impl", default="auto")
+    p.add_argument("--lora-slices", default="inside", choices=["inside", "before"],
+                   help="engine: where a layer's LoRA slots are sliced, inside the conditional or before it "
+                        "(jlora.models.llama.LORA_SLICES; an experiment)")
     p.add_argument("--attn-chunk", type=int, default=None, help="default: the engine's (128 XLA, 512 Pallas)")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--block-size", type=int, default=None, help="KV positions per block (default: LLM()'s on a TPU, "

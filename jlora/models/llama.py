@@ -96,6 +96,15 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps)
 
 
+# Where lora_linear slices a layer's slots out of the stacked [L, ...] arrays: "inside" the
+# conditional (a step without adapter tokens never reads them) or "before" it. On a v5e chip the
+# one-row step graph prefetched the whole stacked gate_up A into VMEM every layer with "inside"
+# (37.6 us a layer, 0.6 ms of a 4.9 ms step; docs/tpu.md, fourth pass); "before" reads one
+# layer's slots a layer, adapters or not. Which is faster is for the chip to say
+# (`jlora bench tpu --lora-slices`); read at trace time.
+LORA_SLICES = "inside"
+
+
 def lora_linear(
     x: jax.Array,  # [T, in]
     kernel: jax.Array | quant.QArray,  # [in, out], float or int8
@@ -111,6 +120,10 @@ def lora_linear(
     if lora is None:
         return y
     pools = lora if isinstance(lora, tuple) else (lora,)
+    if layer is not None and LORA_SLICES == "before":
+        pools = tuple({k: jax.lax.dynamic_index_in_dim(v, layer, 0, keepdims=False) for k, v in p.items()}
+                      for p in pools)
+        layer = None
 
     def with_delta() -> jax.Array:
         out, first = y, 0
