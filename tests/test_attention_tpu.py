@@ -239,6 +239,6 @@ def test_kernel_variant_specs_parse_and_bad_ones_are_named():
 def test_default_chunk_keeps_a_chunks_buffers_within_4_mib():
     """1,024 positions for the 1B shape's bf16 rows (8 KV heads x 64: 1 KB), 512 for the 8B's
     (8 x 128: 2 KB) and for float32 rows of 1B's width."""
-    assert default_chunk(8 * 64 * 2) == 1024
-    assert default_chunk(8 * 128 * 2) == 512 and default_chunk(8 * 64 * 4) == 512
-    assert default_chunk(3 * 64 * 2) == 1024  # SmolLM2's 3 KV heads
+    assert default_chunk(8 * 64, 2) == 1024
+    assert default_chunk(8 * 128, 2) == 512 and default_chunk(8 * 64, 4) == 512
+    assert default_chunk(3 * 64, 2) == 1024  # SmolLM2's 3 KV heads

@@ -694,7 +694,7 @@ def step_memory(llm: Any) -> dict[str, dict[str, int]]:
 def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
     import jax
 
-    from jlora import LoRARequest, compile_stats
+    from jlora import LoRARequest, SamplingParams, compile_stats
 
     tag = run_tag(args)
     res = results.setdefault(tag, {})
@@ -778,11 +778,9 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     compiles_before = compile_stats.compile_count()
     # The adapters load before the timed workloads, so those compare LoRA's cost, not a first load
     # from disk (on the chip, ~1 s of the first 4-adapter workload's 5.1 s, 2026-12-06).
-    from jlora import SamplingParams as _SP
-
     t_load = time.perf_counter()
-    llm.generate([{"prompt_token_ids": [3, 4, 5]}] * len(loras), _SP(max_tokens=1), lora_request=loras,
-                 use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [3, 4, 5]}] * len(loras), SamplingParams(max_tokens=1),
+                 lora_request=loras, use_tqdm=False)
     eng["adapter_first_load_s"] = time.perf_counter() - t_load
     print(f"{len(loras)} adapters loaded in {eng['adapter_first_load_s']:.2f} s (before the timed workloads)",
           flush=True)
@@ -804,17 +802,16 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     print(f"compiles after warm-up: {eng['compiles_after_warmup']}; device memory {eng['device_memory_after_workloads']}",
           flush=True)
     if hasattr(llm.engine, "_async") and not args.quick:  # the same greedy requests with and without async scheduling
-        from jlora import SamplingParams as SP
-
         rng = np.random.default_rng(7)
         prompts = [{"prompt_token_ids": rng.integers(3, cfg.vocab_size, 100 + 13 * i).tolist()} for i in range(8)]
         got = {}
         for mode in (True, False):
             llm.engine._async = mode
-            llm.reset_prefix_cache()  # else the second mode reuses the first's prompt blocks: other steps
+            if hasattr(llm, "reset_prefix_cache"):  # else the second mode reuses the first's blocks: other steps
+                llm.reset_prefix_cache()
             got[mode] = [o.outputs[0].token_ids for o in llm.generate(
-                prompts, SP(temperature=0.0, max_tokens=32, ignore_eos=True), lora_request=[loras[i % 4] for i in range(8)],
-                use_tqdm=False)]
+                prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+                lora_request=[loras[i % 4] for i in range(8)], use_tqdm=False)]
         llm.engine._async = eng["async_default"]
         eng["async_equals_sync"] = got[True] == got[False]
         print(f"async scheduling gives the same tokens as sync: {eng['async_equals_sync']}", flush=True)
@@ -824,8 +821,6 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
 
     # A profile of decode-heavy steps: every row at ~1K context.
     trace = tempfile.mkdtemp(prefix="jlora-trace-")
-    from jlora import SamplingParams
-
     # Long enough that every row still decodes in the traced steps: the first rows start decoding
     # while the last prompts are prefilled (one ~1K-token chunk a step).
     rows_traced = min(args.profile_rows or n, n)

@@ -209,9 +209,9 @@ class ModelRunner:
             shardings = dict(out_shardings=(self.tp.replicated, self.tp.replicated,
                                             {k: x.sharding for k, x in self.cache.items()}))
         self.attn_impl = resolve_attn_impl(config.attn_impl, self.tp.size, self.kv_dtype)
-        kv_cfg = self.layout_cfg
-        kv_row_bytes = kv_cfg.num_key_value_heads * kv_cfg.head_dim * jnp.dtype(self.kv_dtype).itemsize
-        self.attn_chunk = config.attn_chunk or (default_chunk(kv_row_bytes) if self.attn_impl == "pallas" else 128)
+        kd = self.layout_cfg.num_key_value_heads * self.layout_cfg.head_dim  # a cache row's lanes
+        self.attn_chunk = config.attn_chunk or (
+            default_chunk(kd, jnp.dtype(self.kv_dtype).itemsize) if self.attn_impl == "pallas" else 128)
         self._step = jax.jit(self._step_impl, static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl"),
                              donate_argnames=("cache",),
                              **(shardings or {}))

@@ -59,12 +59,13 @@ DEFAULT_SCOPED_VMEM = 16 * 2**20  # Mosaic's scoped VMEM limit on a v5e unless v
 UNROLL_PAGES = 16
 
 
-def default_chunk(kv_row_bytes: int) -> int:
+def default_chunk(kd: int, itemsize: int) -> int:
     """The engine's key chunk for this kernel (`attn_chunk=None`): 1,024 positions where a chunk's
-    K and V double buffers take at most 4 MiB of VMEM (a [bs, KVH*Dh] row of 1 KB or less, as at
-    the 1B shape), else 512 (the 8B's 2 KB rows, whose prefill blocks need the room). On a v5e
-    chip 1,024 took the 1B seed workload's decode step from 9.93 to 9.33 ms (docs/tpu.md)."""
-    return 1024 if 2 * 2 * 1024 * kv_row_bytes <= 4 * 2**20 else 512
+    K and V double buffers (`vmem_estimate` without query rows) take at most 4 MiB of VMEM (a
+    [bs, KVH*Dh] row of 1 KB or less, as at the 1B shape), else 512 (the 8B's 2 KB rows, whose
+    prefill blocks need the room). On a v5e chip 1,024 took the 1B seed workload's decode step
+    from 9.93 to 9.33 ms (docs/tpu.md)."""
+    return 1024 if vmem_estimate(0, 1024, kd, itemsize) <= 4 * 2**20 else 512
 
 
 def lane_tiles(kvh: int, dh: int) -> tuple[int, int]:

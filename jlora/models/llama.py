@@ -256,28 +256,27 @@ class Llama(nnx.Module):
         num_blocks, bs = cache["k"].shape[1:3]
         chunk = max(bs, attn_chunk // bs * bs)
         positions = jnp.concatenate([g.positions.reshape(-1) for g in groups])  # [T]
-        # Where each token's key/value goes: (block of its position, offset); padding is dropped.
-        block = jnp.concatenate([
-            jnp.take_along_axis(g.block_tables, jnp.maximum(g.positions, 0) // bs, axis=1).reshape(-1)
-            for g in groups])
-        block = jnp.where(positions >= 0, block, num_blocks)
-        offset = jnp.maximum(positions, 0) % bs
-        # Each group's token range and how its keys/values are written: page-wise (page_writes)
-        # for runs of tokens, else a row scatter (one row of KVH*Dh per token, no per-head pieces).
+        # Each group's token range and how its keys/values get there: page-wise (page_writes) for
+        # runs of tokens, else a row scatter to (block of its position, offset), padding dropped.
         writes, start = [], 0
         for g in groups:
             t = g.positions.size
-            paged = g.runs and g.positions.shape[1] >= PAGE_WRITE_MIN_QUERIES
-            writes.append((start, start + t, page_writes(g, bs, num_blocks) if paged else None))
+            if g.runs and g.positions.shape[1] >= PAGE_WRITE_MIN_QUERIES:
+                where = page_writes(g, bs, num_blocks)
+            else:
+                pos = g.positions.reshape(-1)
+                block = jnp.take_along_axis(g.block_tables, jnp.maximum(g.positions, 0) // bs, axis=1).reshape(-1)
+                where = (jnp.where(pos >= 0, block, num_blocks), jnp.maximum(pos, 0) % bs)
+            writes.append((start, start + t, where))
             start += t
 
         def write(c, i, x):  # x [T, KVH, Dh] -> c with every group's tokens written
-            x = quant.narrow(x.reshape(x.shape[0], -1), c)
-            for lo, hi, pages in writes:
-                if pages is None:
-                    c = c.at[i, block[lo:hi], offset[lo:hi]].set(x[lo:hi], mode="drop")
+            x = quant.narrow(x.reshape(x.shape[0], -1), c)  # one row of KVH*Dh per token
+            for lo, hi, where in writes:
+                if len(where) == 2:  # (block, offset) of each token
+                    c = c.at[i, where[0], where[1]].set(x[lo:hi], mode="drop")
                 else:
-                    c = write_pages(c, i, x[lo:hi], pages)
+                    c = write_pages(c, i, x[lo:hi], where)
             return c
 
         def attend(q, k, v, i, win, kv):
