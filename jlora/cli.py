@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from jlora.bench import BENCHMARKS, run as run_benchmark
-from jlora.engine_args import ATTN_IMPLS, DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS
+from jlora.engine_args import ATTN_IMPLS, BASE_GRAPHS, DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS
 
 
 class CLIError(ValueError):
@@ -55,6 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="paged attention: the Pallas TPU kernel (auto on one TPU device) or the XLA loop")
     p.add_argument("--block-size", type=int, default=d["block_size"],
                    help="KV cache positions per block (default: 16; on a TPU a sixteenth of --max-model-len, 16-128)")
+    p.add_argument("--base-graphs", default=d["base_graphs"], choices=list(BASE_GRAPHS),
+                   help="step shapes that also get a graph without LoRA, for steps with no adapter row "
+                        "(default: decode on a TPU, none elsewhere)")
     p.add_argument("--async-scheduling", action="store_true", default=None,
                    help="launch the next decode step before this one's tokens reach the host (default: on a TPU)")
     p.add_argument("--lora-slot-ranks", default=None,
@@ -106,6 +109,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   attn_impl=getattr(args, "attn_impl", "auto"),
                   async_scheduling=getattr(args, "async_scheduling", None),
                   block_size=getattr(args, "block_size", None),
+                  base_graphs=getattr(args, "base_graphs", None),
                   token_buckets=_buckets(args.token_buckets, "--token-buckets"),
                   lora_slot_ranks=_buckets(getattr(args, "lora_slot_ranks", None), "--lora-slot-ranks"),
                   enable_prefix_caching=getattr(args, "enable_prefix_caching", True))

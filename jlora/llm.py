@@ -89,6 +89,7 @@ class LLM:
         attn_impl: str = ENGINE_DEFAULTS["attn_impl"],
         async_scheduling: bool | None = ENGINE_DEFAULTS["async_scheduling"],
         block_size: int | None = ENGINE_DEFAULTS["block_size"],
+        base_graphs: str | None = ENGINE_DEFAULTS["base_graphs"],
         decode_row_buckets: Seq[int] | None = None,
         scheduling_policy: str = ENGINE_DEFAULTS["scheduling_policy"],
         max_overtakes: int = ENGINE_DEFAULTS["max_overtakes"],
@@ -120,7 +121,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, token_buckets=token_buckets,
             lora_slot_ranks=lora_slot_ranks,
-            attn_chunk=attn_chunk, attn_impl=attn_impl, async_scheduling=async_scheduling, block_size=block_size, scheduling_policy=scheduling_policy,
+            attn_chunk=attn_chunk, attn_impl=attn_impl, async_scheduling=async_scheduling, block_size=block_size,
+            base_graphs=base_graphs, scheduling_policy=scheduling_policy,
             decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
             max_overtakes=max_overtakes, max_n=max_n, max_waiting_seqs=max_waiting_seqs,
             num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching, backend=jax.default_backend())
@@ -174,6 +176,9 @@ class LLM:
         elif progress:
             self._say("lazy start (warmup=False): each graph compiles the first time a batch needs it")
         self.startup_seconds["warmup"] = time.perf_counter() - t4
+        if warmup:  # its parts: tracing and lowering the step graphs, then compiling (or loading) them
+            for part in ("trace_and_lower", "compile"):
+                self.startup_seconds[f"warmup_{part}"] = sum(r.compile_seconds[part] for r in self.runners)
 
     @property
     def runners(self) -> list:
@@ -182,7 +187,7 @@ class LLM:
 
     def warmup(self) -> None:
         """Compile every graph the engine can need (eager start): the slot writes and each step shape."""
-        steps = sum(len([s for s in r.config.step_shapes() if s not in r._executables]) for r in self.runners)
+        steps = sum(len([g for g in r.config.step_graphs() if g not in r._executables]) for r in self.runners)
         slots = sum(len(r.lora.pools) for r in self.runners)
         if self.progress:
             self._say(f"compiling {steps + slots} graphs ({steps} step graphs, {slots} set_slot); "

@@ -375,3 +375,50 @@ def test_prompt_logprobs_match_transformers_log_softmax(llm, tiny_dir):
         assert set(top3) <= set(entry) and len(entry) <= 4
         for t in top3:
             np.testing.assert_allclose(entry[t], ref[pos - 1, t], atol=1e-4)
+
+
+@pytest.mark.parametrize("base_graphs", ["decode", "all"])
+def test_base_graphs_change_no_token_and_take_the_adapter_free_steps(tiny_dir, tiny_adapters, base_graphs):
+    """EngineConfig.base_graphs: shapes with a graph without LoRA run it for steps with no adapter
+    row, and their LoRA graph computes LoRA for every row (no conditionals). Greedy tokens equal the
+    engine without base graphs, whatever mix of adapter and base requests shares the steps; the
+    graph count is the config's and nothing compiles after warm-up."""
+    cfg = dict(ENGINE, token_buckets=(8, 32), max_model_len=128)
+    loras = [None, LoRARequest("a0", 1, str(tiny_adapters[1])), None, LoRARequest("a1", 2, str(tiny_adapters[2]))]
+    rng = np.random.default_rng(4)
+    prompts = [{"prompt_token_ids": rng.integers(3, 1000, int(n)).tolist()} for n in (5, 40, 12, 3, 20, 9)]
+    params = [greedy(int(n)) for n in (9, 4, 14, 6, 3, 11)]
+
+    def run(llm):
+        mixed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras + loras[:2],
+                                                             use_tqdm=False)]
+        base = [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params[:3], use_tqdm=False)]
+        return mixed, base
+
+    want = run(LLM(str(tiny_dir[0]), progress=False, base_graphs="none", **cfg))
+    llm = LLM(str(tiny_dir[0]), progress=False, base_graphs=base_graphs, **cfg)
+    runner = llm.engine.runner
+    shapes = llm.config.step_shapes()
+    twins = [s for s in shapes if s[1] == 0] if base_graphs == "decode" else list(shapes)
+    assert llm.config.base_graph_shapes() == tuple(twins)
+    assert llm.config.num_step_graphs == len(shapes) + len(twins) == len(runner._executables)
+    ran = []
+    launch = runner.launch
+
+    def spy(batch, prev=None):
+        shape = batch["dec_positions"].shape + batch["pre_positions"].shape
+        ran.append(runner.graph_for(shape, bool((batch["slot_ids"] >= 0).any())))
+        return launch(batch, prev)
+
+    runner.launch = spy
+    count = compile_stats.compile_count()
+    assert run(llm) == want
+    assert compile_stats.compile_count() == count
+    assert {key for key in ran if not key[1]}  # adapter-free steps ran without LoRA
+    assert {key for key in ran if key[1]}  # and steps with adapters with it
+    assert all(key[1] or key[0] in twins for key in ran)
+
+
+def test_base_graphs_bad_value_is_named():
+    with pytest.raises(ValueError, match="base_graphs must be one of"):
+        LLM("unused", base_graphs="some")

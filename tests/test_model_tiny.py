@@ -157,9 +157,10 @@ def test_missing_model_and_malformed_config(tmp_path):
         load_model(tmp_path)
 
 
-def test_lora_slices_before_the_conditional_change_nothing(monkeypatch):
-    """LORA_SLICES="before" (a layer's slots sliced before the LoRA conditional, a TPU experiment)
-    gives the logits "inside" gives, bit for bit, with adapters and without."""
+def test_where_lora_is_sliced_or_skipped_changes_nothing(monkeypatch):
+    """LORA_SLICES (a layer's slots sliced inside the LoRA conditional or before it) and lora_skip
+    (False: LoRA computed for every token, no conditional; what a shape with a base graph runs) give
+    the logits the defaults give, bit for bit, with adapters and without."""
     from jlora.models import Llama, init_lora_state, llama
 
     cfg = LlamaConfig.preset("tiny")
@@ -169,11 +170,19 @@ def test_lora_slices_before_the_conditional_change_nothing(monkeypatch):
                         init_lora_state(cfg, max_loras=2, max_rank=4))
     toks = jnp.array([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
     pos = jnp.tile(jnp.arange(4, dtype=jnp.int32), (2, 1))
+    def logits(ids, skip=True):
+        slot_ids = jnp.where(pos >= 0, jnp.array(ids, jnp.int32)[:, None], -1).reshape(-1)
+        x, _ = m.forward(toks.reshape(-1), slot_ids, (llama.AttnGroup(pos, jnp.arange(2, dtype=jnp.int32)[:, None]),),
+                         init_cache(cfg, 2, 8), lora, lora_skip=skip)
+        return np.asarray(m.logits(x))
+
     got = {}
-    for where in ("inside", "before"):
-        monkeypatch.setattr(llama, "LORA_SLICES", where)
-        got[where] = [np.asarray(m(toks, pos, init_cache(cfg, 2, 8), lora, jnp.array(ids, jnp.int32))[0])
-                      for ids in ([-1, -1], [0, 1])]
-    for a, b in zip(got["inside"], got["before"]):
-        np.testing.assert_array_equal(a, b)
-    assert not np.allclose(got["inside"][0], got["inside"][1])  # the slots are read
+    for variant in ("inside", "before", "no skip"):
+        monkeypatch.setattr(llama, "LORA_SLICES", "inside" if variant == "no skip" else variant)
+        got[variant] = [logits(ids, variant != "no skip") for ids in ([-1, -1], [0, 1], [-1, 1])]
+    for variant in ("before", "no skip"):
+        for a, b in zip(got["inside"], got[variant]):
+            np.testing.assert_array_equal(a, b)
+    first = got["inside"]
+    assert not np.allclose(first[0], first[1])  # the slots are read
+    np.testing.assert_array_equal(first[2][:4], first[0][:4])  # a row without an adapter reads none

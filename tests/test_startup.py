@@ -27,8 +27,19 @@ def test_llm_defaults_are_engine_config_defaults():
         # max_cpu_loras (host cache, no graph depends on it) follows max_loras unless given.
         if f.name in params and f.default is not None and f.name != "max_cpu_loras":
             assert params[f.name].default == ENGINE_DEFAULTS[f.name], f.name
-            assert f.name == "block_size" or f.default == ENGINE_DEFAULTS[f.name], f.name
-    assert ENGINE_DEFAULTS["block_size"] is None  # auto, per backend
+            assert f.name in ("block_size", "base_graphs") or f.default == ENGINE_DEFAULTS[f.name], f.name
+    assert ENGINE_DEFAULTS["block_size"] is None and ENGINE_DEFAULTS["base_graphs"] is None  # auto, per backend
+
+
+def test_base_graphs_auto_follows_the_backend():
+    assert engine_config().base_graphs == "none" == engine_config(backend="cpu").base_graphs
+    tpu = engine_config(backend="tpu", max_num_seqs=64, decode_row_buckets=(1, 64))
+    assert tpu.base_graphs == "decode" and tpu.base_graph_shapes() == ((1, 0, 0), (64, 0, 0))
+    assert tpu.num_step_graphs == len(tpu.step_shapes()) + 2
+    every = engine_config(backend="tpu", base_graphs="all")
+    assert every.num_step_graphs == 2 * len(every.step_shapes())
+    with pytest.raises(ValueError, match="base_graphs must be one of"):
+        engine_config(base_graphs="decoded")
 
 
 def test_block_size_auto_follows_the_backend():

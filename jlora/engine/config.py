@@ -32,6 +32,9 @@ def default_max_cpu_loras(max_loras: int) -> int:
     return max(4 * max_loras, 8)
 
 
+BASE_GRAPHS = ("none", "decode", "all")  # EngineConfig.base_graphs
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine sizes. Every step is one graph keyed only by the shape of its prefill part
@@ -73,6 +76,13 @@ class EngineConfig:
     # Reuse the KV blocks of prompt prefixes already computed under the same adapter version
     # (jlora.engine.prefix_cache); changes block tables only, never a graph.
     enable_prefix_caching: bool = True
+    # Which step shapes also get a graph without LoRA, run when no row of the step has an adapter:
+    # "none", "decode" (the decode-only shapes) or "all". A shape with such a twin computes LoRA
+    # for every row of its LoRA graph (rows without an adapter read zeros); one without skips the
+    # LoRA math of an adapter-free step with conditionals, which on a v5e chip cost more than the
+    # math (a one-row layer pass: 2.80 ms without slots, 4.42 with them and no adapter token, 3.19
+    # computing LoRA for every row; docs/tpu.md, fifth pass). Outputs do not change.
+    base_graphs: str = "none"
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None and isinstance(self.max_loras, int):
@@ -97,6 +107,8 @@ class EngineConfig:
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < self.max_n):
             raise ValueError(f"EngineConfig.max_waiting_seqs must be None or an int >= max_n={self.max_n} "
                              f"(one request of n samples must fit), got {w!r}")
+        if self.base_graphs not in BASE_GRAPHS:
+            raise ValueError(f"EngineConfig.base_graphs must be one of {BASE_GRAPHS}, got {self.base_graphs!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"EngineConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.max_overtakes, int) or self.max_overtakes < 0:
@@ -173,9 +185,21 @@ class EngineConfig:
         return (tuple((r, 0, 0) for r in self.decode_row_buckets)
                 + tuple((self.max_num_seqs, p, q) for p, q in self.prefill_shapes()))
 
+    def base_graph_shapes(self) -> tuple[tuple[int, int, int], ...]:
+        """The step shapes that also get a graph without LoRA (`base_graphs`)."""
+        if self.base_graphs == "all":
+            return self.step_shapes()
+        return tuple((r, 0, 0) for r in self.decode_row_buckets) if self.base_graphs == "decode" else ()
+
+    def step_graphs(self) -> tuple[tuple[tuple[int, int, int], bool], ...]:
+        """Every step graph as (shape, with LoRA): each of `step_shapes()` with LoRA, then the
+        `base_graph_shapes()` without."""
+        return (tuple((s, True) for s in self.step_shapes())
+                + tuple((s, False) for s in self.base_graph_shapes()))
+
     @property
     def num_step_graphs(self) -> int:
-        return len(self.step_shapes())
+        return len(self.step_graphs())
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:

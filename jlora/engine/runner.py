@@ -3,8 +3,8 @@
 A step is one device call: the running sequences' decode tokens (R rows, padding where a row is
 free) and a prefill part (P sequences x Q chunk tokens, one of `EngineConfig.prefill_shapes()`),
 packed into one token axis, go through the model together (every weight read once), and the
-sampler runs in the same graph. Graphs are keyed by (R, P, Q): `EngineConfig.step_shapes()`. Host and
-device meet once each way: the scheduler's NumPy arrays go over in one transfer, and only the
+sampler runs in the same graph. Graphs are keyed by (R, P, Q) and whether they hold LoRA
+(`EngineConfig.step_graphs()`). Host and device meet once each way: the scheduler's NumPy arrays go over in one transfer, and only the
 sampled tokens (and logprobs) come back.
 
 The LoRA slot arrays are the runner's too (`self.lora`, a `LoRASlots`): the adapter manager only
@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -212,10 +213,14 @@ class ModelRunner:
         kd = self.layout_cfg.num_key_value_heads * self.layout_cfg.head_dim  # a cache row's lanes
         self.attn_chunk = config.attn_chunk or (
             default_chunk(kd, jnp.dtype(self.kv_dtype).itemsize) if self.attn_impl == "pallas" else 128)
-        self._step = jax.jit(self._step_impl, static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl"),
+        self._step = jax.jit(self._step_impl, static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl",
+                                                               "lora_skip"),
                              donate_argnames=("cache",),
                              **(shardings or {}))
-        self._executables: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> compiled step
+        # ((R, P, Q), with LoRA) -> compiled step (EngineConfig.step_graphs)
+        self._executables: dict[tuple[tuple[int, int, int], bool], Any] = {}
+        self._base_shapes = frozenset(config.base_graph_shapes())  # shapes with a graph without LoRA too
+        self.compile_seconds: dict[str, Any] = {"trace_and_lower": 0.0, "compile": 0.0, "graphs": {}}
         self._out_layouts: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> how its packed outputs unpack
         self._resident: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}  # rows -> `_defaults`
 
@@ -237,7 +242,7 @@ class ModelRunner:
                           quant.storage_dtype(self.kv_dtype), zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
 
     def _step_impl(self, weights, lora_state, cache, ints, floats, history, allowed, prev_tokens, *, layout, lora_impl,
-                   attn_chunk, attn_impl):
+                   attn_chunk, attn_impl, lora_skip=True):
         batch = unpack_batch(ints, floats, layout)
         batch["sampling"]["history"], batch["sampling"]["allowed"] = history, allowed
         # Async scheduling: a decode row whose token the previous step sampled (still on the device)
@@ -251,7 +256,8 @@ class ModelRunner:
         if batch["pre_positions"].shape[0]:
             groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"], runs=True))
         hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
-                                      lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl)
+                                      lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl,
+                                      lora_skip=lora_skip)
         logits = model.logits(hidden[batch["sample_index"]])
         out = sample(logits, batch["sampling"])
         if batch["pre_positions"].shape[0]:
@@ -353,10 +359,17 @@ class ModelRunner:
         dev.append(default_history if history[:, 0].max() < 0 else self.tp.put(history))
         dev.append(default_allowed if allowed.min() == -1 and allowed.max() == -1 else self.tp.put(allowed))
         dev.append(no_tokens if prev is None else prev.tokens)
-        if shape not in self._executables:  # lazy mode, or a shape warm-up did not cover
-            self._compile([shape])
-        packed, tokens, self.cache = self._executables[shape](self._weights, self.lora.state, self.cache, *dev)
+        key = self.graph_for(shape, bool((batch["slot_ids"] >= 0).any()))
+        if key not in self._executables:  # lazy mode, or a shape warm-up did not cover
+            self._compile([key])
+        packed, tokens, self.cache = self._executables[key](self._weights, self.lora.state if key[1] else None,
+                                                            self.cache, *dev)
         return StepHandle(shape, packed, tokens)
+
+    def graph_for(self, shape: tuple[int, int, int], any_adapter: bool) -> tuple[tuple[int, int, int], bool]:
+        """The step graph a batch of `shape` runs: the one without LoRA when no row has an adapter
+        and the shape has one (EngineConfig.base_graphs), else the LoRA graph."""
+        return shape, any_adapter or shape not in self._base_shapes
 
     def collect(self, handle: StepHandle) -> dict[str, np.ndarray]:
         """Waits for a launched step; its outputs on the host, in one transfer."""
@@ -379,34 +392,45 @@ class ModelRunner:
         self.cache = self._zero_cache()
         return True
 
-    def _compile(self, shapes: list[tuple[int, int, int]], progress: bool = False) -> None:
-        """Trace and lower each shape (Python, one at a time), then compile them on all cores at once:
-        XLA compiles outside the GIL, and the step graphs do not depend on each other."""
-        if not shapes:
+    def _compile(self, keys: list[tuple[tuple[int, int, int], bool]], progress: bool = False) -> None:
+        """Trace and lower each graph ((shape, with LoRA): Python, one at a time), then compile them on
+        all cores at once: XLA compiles outside the GIL, and the step graphs do not depend on each other."""
+        if not keys:
             return
+        t0 = time.perf_counter()
         lowered = {}
-        for shape in shapes:
+        for key in keys:
+            shape, with_lora = key
             batch = self.empty_batch(shape)
             sampling = dict(batch["sampling"])
             extra = self._defaults(shape[0], sampling.pop("history").shape[1], sampling.pop("allowed").shape[1])
             ints, floats, layout = pack_batch({**batch, "sampling": sampling})
-            lowered[shape] = self._step.lower(self._weights, self.lora.state, self.cache, *self.tp.put((ints, floats)),
-                                              *extra,
-                                              layout=layout, lora_impl=self.config.lora_impl,
-                                              attn_chunk=self.attn_chunk, attn_impl=self.attn_impl)
+            # A shape with a graph without LoRA leaves adapter-free steps to it: its LoRA graph
+            # computes LoRA for every row instead of skipping it with conditionals.
+            lowered[key] = self._step.lower(self._weights, self.lora.state if with_lora else None, self.cache,
+                                            *self.tp.put((ints, floats)), *extra,
+                                            layout=layout, lora_impl=self.config.lora_impl,
+                                            attn_chunk=self.attn_chunk, attn_impl=self.attn_impl,
+                                            lora_skip=shape not in self._base_shapes)
+        t1 = time.perf_counter()
 
-
-        def build(shape: tuple[int, int, int]) -> None:
+        def build(key: tuple[tuple[int, int, int], bool]) -> None:
+            t = time.perf_counter()
             with compile_stats.stage("step"):
-                self._executables[shape] = lowered[shape].compile()
+                self._executables[key] = lowered[key].compile()
+            self.compile_seconds["graphs"][f"{key[0]}{'' if key[1] else ' base'}"] = time.perf_counter() - t
 
-        bar = tqdm(total=len(shapes), desc="jlora warm-up (compiling step graphs)", disable=not progress)
-        with ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
-            for _ in pool.map(build, shapes):
+        bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
+        with ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1)) as pool:
+            for _ in pool.map(build, keys):
                 bar.update(1)
         bar.close()
+        # Where warm-up goes (start-up's largest part on a TPU): Python tracing and lowering, one
+        # graph at a time, then the compiles (or persistent-cache loads) side by side.
+        self.compile_seconds["trace_and_lower"] += t1 - t0
+        self.compile_seconds["compile"] += time.perf_counter() - t1
 
     def warmup(self, progress: bool = True) -> None:
         """Compile the slot write and every step graph once, before the first request."""
         self.lora.warmup()
-        self._compile([s for s in self.config.step_shapes() if s not in self._executables], progress)
+        self._compile([g for g in self.config.step_graphs() if g not in self._executables], progress)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 from typing import Any
 
 import jax
@@ -246,6 +247,7 @@ class Llama(nnx.Module):
         lora_impl: str = "auto",
         attn_chunk: int = 128,
         attn_impl: str = "xla",  # "xla" or "pallas" (resolved by the caller; jlora.engine.config.ATTN_IMPLS)
+        lora_skip: bool = True,  # False: LoRA for every token, no conditionals (see `_decoder`)
     ) -> tuple[jax.Array, KVCache]:  # hidden states [T, D] before the final norm, new cache
         """The serving step's forward: keys and values go to the paged cache, attention reads it."""
         if attn_impl not in ("xla", "pallas"):
@@ -292,7 +294,7 @@ class Llama(nnx.Module):
 
         x = quant.embed(quant.weight(self, "embed_tokens"), tokens)
         x, (ck, cv) = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend,
-                                    quant.to_bits((cache["k"], cache["v"])))
+                                    quant.to_bits((cache["k"], cache["v"])), lora_skip)
         return x, {"k": quant.like(ck, cache["k"]), "v": quant.like(cv, cache["v"])}
 
     def train_logits(
@@ -326,17 +328,19 @@ class Llama(nnx.Module):
         x, _ = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend, ())
         return self.logits(x).reshape(bsz, t, -1)
 
-    def _decoder(self, x, positions, slot_ids, lora_state, lora_impl, attend, state):
+    def _decoder(self, x, positions, slot_ids, lora_state, lora_impl, attend, state, lora_skip=True):
         """The decoder stack over x [T, D] as one scan over the layers. `attend(q, k, v, layer,
         window, state) -> (attention [T, H*Dh], state)` is the one part the serving step (paged
-        KV cache) and the training forward (dense causal) do differently."""
+        KV cache) and the training forward (dense causal) do differently. `lora_skip`: a batch
+        without adapter tokens skips the LoRA math (a conditional per projection); False computes
+        it for every token (tokens without an adapter read zeros: the same result)."""
         cfg = self.cfg
         h, kvh, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         cos, sin = rope_tables(positions, self.inv_freq[...])
 
         # A batch with no adapter token skips the LoRA math (and reading the slots) in every layer.
-        any_lora = jnp.any(slot_ids >= 0)
+        any_lora = jnp.any(slot_ids >= 0) if lora_skip else None
 
         # The stacked slots are a loop constant, not a scanned input: scanning them would slice (and on
         # XLA:CPU copy) every layer's [N, in, R] block each step, also when no token uses an adapter.
@@ -359,14 +363,14 @@ class Llama(nnx.Module):
         if cfg.has_sliding_window:
             windows = jnp.asarray([w or np.iinfo(np.int32).max // 2 for w in cfg.sliding_windows], jnp.int32)
 
-        def layer(carry, xs):
+        def layer(enabled, carry, xs):  # `enabled` None: LoRA for every token, no conditional
             x, state = carry
             w, i = xs
             win = None if windows is None else windows[i]
             w = quant.widen(w)  # this layer's bf16 weights, sliced as bits, to f32 on XLA:CPU
 
             def linear(h: jax.Array, name: str) -> jax.Array:
-                return lora_linear(h, w[name], get(name), slot_ids, lora_impl, enabled=any_lora, layer=i,
+                return lora_linear(h, w[name], get(name), slot_ids, lora_impl, enabled=enabled, layer=i,
                                    splits=splits[name])
 
             y = rms_norm(x, w["input_layernorm"], eps)
@@ -387,7 +391,7 @@ class Llama(nnx.Module):
             return (x, state), None
 
         xs = (quant.to_bits(self.layers.weights()), jnp.arange(cfg.num_hidden_layers))
-        (x, state), _ = jax.lax.scan(layer, (x, state), xs)
+        (x, state), _ = jax.lax.scan(partial(layer, any_lora), (x, state), xs)
         return x, state
 
     def logits(self, x: jax.Array) -> jax.Array:  # [..., D] hidden before the final norm -> f32[..., V]
