@@ -129,7 +129,7 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
            "--sections", "checkpoint,load,qmatmul,agree,engine,warm", "--quantization", "int8",
            "--workloads", "11", "--max-num-seqs", "auto", "--max-seqs-cap", "3", "--token-buckets", "128",
            "--max-num-batched-tokens", "128", "--qmatmul-rows", "4", "--agree-shape", "tiny", "--quick",
-           "--lora-slices", "before"]
+           "--lora-slices", "before", "--base-graphs", "decode", "--prefill-slack", "off,0.05"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     r = json.loads((out / "results.json").read_text())
@@ -145,12 +145,26 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
     assert eng["block_size"] == 128  # the TPU's automatic size at max_model_len 2048, as the chip would run it
     assert eng["compiles_after_warmup"] == 0 and eng["whole_cache_copies"] == [] and eng["whole_weight_copies"] == []
     assert eng["lora_slices"] == "before" and eng["adapter_first_load_s"] > 0  # adapters loaded before the timing
-    (row,) = run["workloads"]
-    assert row["quantization"] == "int8" and row["requests"] == 3 and row["generated"] == 3 * 256
+    # decode rows 1 and 3, each with and without LoRA, and one prefill shape
+    assert eng["base_graphs"] == "decode" and eng["graphs"] == 5
+    assert set(eng["compile_seconds"]["graphs"]) == {"(1, 0, 0)", "(1, 0, 0) base", "(3, 0, 0)", "(3, 0, 0) base",
+                                                     "(3, 1, 128)"}
+    assert [row["prefill_slack"] for row in run["workloads"]] == [None, 0.05]  # one run per policy
+    for row in run["workloads"]:
+        assert row["quantization"] == "int8" and row["requests"] == 3 and row["generated"] == 3 * 256
     assert run["warm"]["weights_cache_hit"] is True and run["warm"]["compiles"] == run["warm"]["cache_hits"]
     assert {q["mode"] for q in r["qmatmul"]["tiny"]} == set(tpu.QMATMUL_MODES) and "errors" not in r["qmatmul"]["tiny"][0]
     assert r["agree"]["tiny"]["int8"]["top1"] > 0.9 and r["agree"]["tiny"]["int8-weight-only"]["top1"] > 0.9
     assert "errors" not in r
+
+
+def test_layer_stack_bench_times_every_lora_variant():
+    """`--sections layers`: each token count with no slots, slots without adapter tokens, and 4 mixed
+    adapters with and without the LoRA conditionals (each a positive time)."""
+    rows = tpu.bench_layers(tpu.SHAPES["tiny"], tokens=(1, 70), reps=1)
+    cases = {("none", None), ("off", "skip"), ("mixed", "skip"), ("mixed", "all")}
+    assert {(r["tokens"], r["lora"], r["cond"]) for r in rows} == {(t, *c) for t in (1, 70) for c in cases}
+    assert all(r["us"] > 0 for r in rows)
 
 
 def test_a_disk_too_small_for_the_run_moves_it_to_dev_shm(tmp_path, monkeypatch):

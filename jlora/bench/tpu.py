@@ -18,6 +18,9 @@ feeds token-id prompts. Sections (`--sections`, in the order given):
               against the reference: GB/s of KV read and the fraction of the HBM roofline
   qmatmul     the shape's projections and lm head alone, bf16 / W8A16 / W8A8, inside one jit each:
               decode rows against the HBM roofline, a prefill chunk against the MXU peak
+  layers      the decoder's layer stack alone (attention left out) at 1, 64 and 1,088 tokens: no
+              LoRA, slots without adapter tokens, 4 mixed adapters with and without the LoRA
+              conditionals (what LoRA adds to the projections, without an engine per variant)
   engine      LLM() on the checkpoint with `--quantization`: start-up, the compiled steps' HLO checked
               for whole-cache copies and their memory, the workloads of `WORKLOADS` (tok/s, decode ms
               per step and its fraction of the HBM roofline, prefill's fraction of the MXU peak,
@@ -363,6 +366,81 @@ def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: in
     return out
 
 
+def bench_layers(cfg: dict[str, Any], tokens: tuple[int, ...] = (1, 64, 1088), reps: int = 10, rank: int = 16,
+                 max_loras: int = 4, dtype: str = "bfloat16", out: list | None = None,
+                 on_row: Callable[[], None] | None = None, profile: tuple[tuple[int, str, str], ...] = (),
+                 trace_out: Path | None = None) -> list[dict]:
+    """The decoder's layer stack alone (the model's own `_decoder`, attention replaced by its query),
+    `reps` passes in one jit, at each token count: without LoRA slots (a base graph), with them and
+    no adapter token ("off"), and 4 mixed adapters, LoRA skipped by conditionals when no token has an
+    adapter or computed for all (`lora_skip`: with a base graph beside it, EngineConfig.base_graphs).
+    What LoRA adds to the projections and which variant costs least, without an engine's compile per
+    variant. `profile`: (tokens, "off"|"mixed", "skip"|"all") cases whose passes are traced; the top device
+    ops go to `trace_out`/layers-profile-*.txt and stdout."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jlora.models import llama
+    from jlora.models.config import LlamaConfig
+
+    c = LlamaConfig.from_hf_dict({**cfg, "max_position_embeddings": 4096})
+    model = llama.Llama(c, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 64))
+    slots = jax.tree.map(lambda z: (0.02 * jax.random.normal(next(keys), z.shape, jnp.float32)).astype(z.dtype),
+                         llama.init_lora_state(c, max_loras, rank, jnp.dtype(dtype)))
+    h, dh = c.num_attention_heads, c.head_dim
+    matmul_bytes = _matmul_params(c) * jnp.dtype(dtype).itemsize
+    out = [] if out is None else out
+
+    def attend(q, k, v, i, win, st):  # no KV cache: the query stands in for attention's output
+        return q.reshape(q.shape[0], h * dh), st
+
+    # "skip": a conditional per projection skips LoRA when no token has an adapter (a LoRA graph
+    # without a twin); "all": LoRA for every token (a LoRA graph whose shape has a base graph).
+    cases = [("none", None), ("off", "skip"), ("mixed", "skip"), ("mixed", "all")]
+    for t in tokens:
+        x0 = (0.1 * jax.random.normal(next(keys), (t, c.hidden_size), jnp.float32)).astype(dtype)
+        positions = jnp.arange(t, dtype=jnp.int32)
+        for what, cond in cases:
+            ids = (jnp.arange(t, dtype=jnp.int32) % max_loras) if what == "mixed" else jnp.full((t,), -1, jnp.int32)
+            lora = None if what == "none" else slots
+
+            @jax.jit
+            def run(state, lora, ids, x):
+                m = nnx.merge(graphdef, state)
+
+                def body(_, xc):
+                    y, _ = m._decoder(xc, positions, ids, lora, "auto", attend, (), lora_skip=cond != "all")
+                    return (xc + 1e-3 * y).astype(xc.dtype)
+                return jax.lax.fori_loop(0, reps, body, x)
+
+            run(state, lora, ids, x0).block_until_ready()
+            t0 = time.perf_counter()
+            run(state, lora, ids, x0).block_until_ready()
+            us = (time.perf_counter() - t0) / reps * 1e6
+            row = dict(tokens=t, lora=what, cond=cond, us=us,
+                       matmul_fraction_of_hbm=matmul_bytes / (us * 1e-6) / HBM_BYTES_PER_S,
+                       matmul_fraction_of_mxu=2 * _matmul_params(c) * t / (us * 1e-6) / MXU_FLOPS)
+            out.append(row)
+            print(f"  layers T={t:5d} lora={what:5s} cond={cond or '-':6s}: {us:9.1f} us a pass "
+                  f"({row['matmul_fraction_of_hbm']:.0%} of HBM for the weights, "
+                  f"{row['matmul_fraction_of_mxu']:.0%} of MXU)", flush=True)
+            if (t, what, cond) in profile:
+                trace = tempfile.mkdtemp(prefix="jlora-trace-layers-")
+                jax.profiler.start_trace(trace)
+                run(state, lora, ids, x0).block_until_ready()
+                jax.profiler.stop_trace()
+                top = profile_top(trace)
+                if trace_out is not None:
+                    (trace_out / f"layers-profile-{t}-{what}-{cond}.txt").write_text(top)
+                print(f"== layers profile T={t} {what} {cond} ({reps} passes)\n{top}", flush=True)
+            if on_row:
+                on_row()
+    return out
+
+
 # ---- the engine -----------------------------------------------------------------------------------------
 
 
@@ -666,6 +744,8 @@ def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_i
         llama.LORA_SLICES = args.lora_slices
     elif args.lora_slices != "inside":
         raise SystemExit(f"--lora-slices {args.lora_slices}: this jlora slices its LoRA slots one way only")
+    if args.base_graphs is not None:
+        extra["base_graphs"] = args.base_graphs
     return LLM(str(ckpt), dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
                max_num_seqs=sizes["max_num_seqs"], max_num_batched_tokens=sizes["max_num_batched_tokens"],
                token_buckets=sizes["token_buckets"], decode_row_buckets=sizes["decode_row_buckets"], max_loras=4,
@@ -750,13 +830,15 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                weights_cache_hit=getattr(llm, "weights_cache_hit", None),
                attn_impl=getattr(runner, "attn_impl", "xla (before)"),
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
-               lora_impl=args.lora_impl, lora_slices=args.lora_slices, max_num_seqs=n,
+               lora_impl=args.lora_impl, lora_slices=args.lora_slices,
+               base_graphs=getattr(llm.config, "base_graphs", None), max_num_seqs=n,
                block_size=llm.config.block_size,
                num_kv_blocks=llm.config.num_kv_blocks,
                kv_cache_tokens=llm.config.kv_capacity_tokens, token_buckets=list(llm.config.token_buckets),
                decode_row_buckets=list(llm.config.decode_row_buckets), max_num_batched_tokens=llm.config.max_num_batched_tokens,
                kv_plan=sizes["plan"], graphs=llm.config.num_step_graphs, weight_bytes=weight_bytes,
-               weight_bytes_per_step=step_weight_bytes, memory_report=report, device_memory=device_memory(),
+               weight_bytes_per_step=step_weight_bytes, memory_report=report,
+               compile_seconds=getattr(runner, "compile_seconds", None), device_memory=device_memory(),
                step_memory=step_memory(llm), config=str(llm.config), devices=str(jax.devices()), jax=jax.__version__)
     eng.update(whole_cache_copies(llm))
     eng["whole_weight_copies"] = whole_weight_copies(llm)
@@ -787,16 +869,25 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     rows = res.setdefault("workloads", [])
     names = args.workloads or DEFAULT_WORKLOADS.get(args.shape, "")
     picked = set(names.split(",")) if names else None
-    for i, (name, count, plen, new, k) in enumerate(WORKLOADS):
-        if picked is not None and str(i) not in picked:
-            continue
-        if plen + new > args.max_model_len:
-            continue
-        count = n if count is None else count
-        row = run_workload(llm, log, name.replace("Nx", f"{count}x"), count, plen, new, loras[:k], seed=i, mxu_peak=mxu,
-                           phases=phases)
-        rows.append({**row, "quantization": args.quantization, "max_num_seqs": n})
-        _save(out, results)
+    from jlora.engine import scheduler
+
+    for slack in args.prefill_slack or [getattr(scheduler, "PREFILL_SLACK", None)]:
+        if args.prefill_slack:  # several scheduler policies on one engine: the same graphs
+            if not hasattr(scheduler, "PREFILL_SLACK"):
+                raise SystemExit("--prefill-slack: this jlora's scheduler has one prefill policy")
+            scheduler.PREFILL_SLACK = slack
+        for i, (name, count, plen, new, k) in enumerate(WORKLOADS):
+            if picked is not None and str(i) not in picked:
+                continue
+            if plen + new > args.max_model_len:
+                continue
+            count = n if count is None else count
+            label = name.replace("Nx", f"{count}x") + (f" [prefill slack {slack}]" if args.prefill_slack else "")
+            if hasattr(llm, "reset_prefix_cache"):  # a policy's rerun must not hit the last one's blocks
+                llm.reset_prefix_cache()
+            row = run_workload(llm, log, label, count, plen, new, loras[:k], seed=i, mxu_peak=mxu, phases=phases)
+            rows.append({**row, "quantization": args.quantization, "max_num_seqs": n, "prefill_slack": slack})
+            _save(out, results)
     eng["compiles_after_warmup"] = compile_stats.compile_count() - compiles_before
     eng["device_memory_after_workloads"] = device_memory()  # its peak: what the steps' temporaries took
     print(f"compiles after warm-up: {eng['compiles_after_warmup']}; device memory {eng['device_memory_after_workloads']}",
@@ -1231,14 +1322,15 @@ def plan_processes(sections: list[str]) -> list[list[str]]:
     groups: list[list[str]] = []
     for s in sections:
         last = groups[-1] if groups else None
-        if (s in ("kernel", "qmatmul", "agree", "engine") and last and last[-1] in ("kernel", "qmatmul", "agree")):
+        if (s in ("kernel", "qmatmul", "layers", "agree", "engine") and last
+                and last[-1] in ("kernel", "qmatmul", "layers", "agree")):
             last.append(s)
         else:
             groups.append([s])
     return groups
 
 
-SECTIONS = ("checkpoint", "load", "kernel", "qmatmul", "engine", "agree", "warm")
+SECTIONS = ("checkpoint", "load", "kernel", "qmatmul", "layers", "engine", "agree", "warm")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1271,6 +1363,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-slices", default="inside", choices=["inside", "before"],
                    help="engine: where a layer's LoRA slots are sliced, inside the conditional or before it "
                         "(jlora.models.llama.LORA_SLICES; an experiment)")
+    p.add_argument("--base-graphs", default=None, choices=["none", "decode", "all"],
+                   help="engine: step shapes that also get a graph without LoRA (default: the engine's)")
+    p.add_argument("--prefill-slack", default=None,
+                   type=lambda s: [None if v == "off" else float(v) for v in s.split(",")],
+                   help="engine: run the workloads once per scheduler prefill policy, e.g. off,0.05 "
+                        "(jlora.engine.scheduler.PREFILL_SLACK; default: the engine's, once)")
     p.add_argument("--attn-chunk", type=int, default=None, help="default: the engine's (128 XLA, 512 Pallas)")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--block-size", type=int, default=None, help="KV positions per block (default: LLM()'s on a TPU, "
@@ -1350,6 +1448,13 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         measured: list[dict[str, Any]] = []
         results.setdefault("qmatmul", {})[args.shape] = measured
         bench_qmatmul(SHAPES[args.shape], args.qmatmul_rows, out=measured, on_row=lambda: _save(out, results))
+        _save(out, results)
+    elif section == "layers":
+        measured: list[dict[str, Any]] = []
+        results.setdefault("layers", {})[args.shape] = measured
+        profile = () if args.quick else ((1, "off", "skip"), (1088, "mixed", "all"))
+        bench_layers(SHAPES[args.shape], rank=args.rank, dtype=args.dtype, out=measured,
+                     on_row=lambda: _save(out, results), profile=profile, trace_out=out)
         _save(out, results)
     elif section == "engine":
         bench_engine(ckpt, out, args, results)
