@@ -220,6 +220,31 @@ def test_async_scheduling_equals_reference(llm_async, ref, tiny_adapters, seed):
     check_jobs(jobs, outputs, streams, llm_async.tokenizer)
 
 
+@pytest.mark.slow  # one randomized round, ~25 s
+def test_base_graphs_with_async_scheduling_equal_reference(tiny_dir, ref, tiny_adapters):
+    """What a TPU runs: async scheduling, and graphs without LoRA beside the LoRA graphs (which then
+    compute LoRA for every row): the randomized workload's outputs and streams are the reference's,
+    with zero compiles after warm-up, and both kinds of graph ran."""
+    llm = LLM(str(tiny_dir[0]), progress=False, async_scheduling=True, base_graphs="all", **ENGINE)
+    eng = llm.engine
+    launched, ran = eng.runner.launch, []
+
+    def launch(batch, prev=None):
+        shape = batch["dec_positions"].shape + batch["pre_positions"].shape
+        ran.append(eng.runner.graph_for(shape, bool((batch["slot_ids"] >= 0).any())))
+        return launched(batch, prev=prev)
+
+    eng.runner.launch = launch
+    jobs = make_workload(np.random.default_rng(5), ref, llm.tokenizer, tiny_adapters, n_jobs=28,
+                         limit=ENGINE["max_model_len"])
+    compiles = compile_stats.compile_count()
+    outputs, streams = drive(eng, jobs)
+    assert compile_stats.compile_count() == compiles, "the engine compiled after warm-up"
+    assert {with_lora for _, with_lora in ran} == {True, False}
+    assert eng.kv.num_free == eng.config.num_kv_blocks and not eng.has_unfinished()
+    check_jobs(jobs, outputs, streams, llm.tokenizer)
+
+
 def test_async_scheduling_survives_a_failed_step(llm_async, ref, tiny_adapters):
     """A step launched ahead of one that raises: the KV cache is rebuilt, every request is
     recomputed and ends equal to the reference; one failed step is counted."""
