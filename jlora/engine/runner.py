@@ -4,8 +4,8 @@ A step is one device call: the running sequences' decode tokens (R rows, padding
 free) and a prefill part (P sequences x Q chunk tokens, one of `EngineConfig.prefill_shapes()`),
 packed into one token axis, go through the model together (every weight read once), and the
 sampler runs in the same graph. Graphs are keyed by (R, P, Q) and whether they hold LoRA
-(`EngineConfig.step_graphs()`). Host and device meet once each way: the scheduler's NumPy arrays go over in one transfer, and only the
-sampled tokens (and logprobs) come back.
+(`EngineConfig.step_graphs()`). Host and device meet once each way: the scheduler's NumPy arrays
+go over in one transfer, and only the sampled tokens (and logprobs) come back.
 
 The LoRA slot arrays are the runner's too (`self.lora`, a `LoRASlots`): the adapter manager only
 decides which adapter goes in which slot and queues the writes, already padded on the host; the

@@ -160,7 +160,8 @@ class Scheduler:
             near = [o for o in options if o[0] >= best * (1 - PREFILL_SLACK)]
             fewest = min(len(o[2]) for o in near)
             near = [o for o in near if len(o[2]) == fewest]
-            near = [o for o in near if o[0] == max(k for k, _, _ in near)]
+            top = max(o[0] for o in near)
+            near = [o for o in near if o[0] == top]
         _, shape, take = near[0]  # the first of equals
         return shape, take
 

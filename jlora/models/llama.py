@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import partial
 from typing import Any
 
 import jax
@@ -339,7 +338,8 @@ class Llama(nnx.Module):
         eps = cfg.rms_norm_eps
         cos, sin = rope_tables(positions, self.inv_freq[...])
 
-        # A batch with no adapter token skips the LoRA math (and reading the slots) in every layer.
+        # A batch with no adapter token skips the LoRA math (and reading the slots) in every layer;
+        # None (lora_skip=False): no conditional.
         any_lora = jnp.any(slot_ids >= 0) if lora_skip else None
 
         # The stacked slots are a loop constant, not a scanned input: scanning them would slice (and on
@@ -363,14 +363,14 @@ class Llama(nnx.Module):
         if cfg.has_sliding_window:
             windows = jnp.asarray([w or np.iinfo(np.int32).max // 2 for w in cfg.sliding_windows], jnp.int32)
 
-        def layer(enabled, carry, xs):  # `enabled` None: LoRA for every token, no conditional
+        def layer(carry, xs):
             x, state = carry
             w, i = xs
             win = None if windows is None else windows[i]
             w = quant.widen(w)  # this layer's bf16 weights, sliced as bits, to f32 on XLA:CPU
 
             def linear(h: jax.Array, name: str) -> jax.Array:
-                return lora_linear(h, w[name], get(name), slot_ids, lora_impl, enabled=enabled, layer=i,
+                return lora_linear(h, w[name], get(name), slot_ids, lora_impl, enabled=any_lora, layer=i,
                                    splits=splits[name])
 
             y = rms_norm(x, w["input_layernorm"], eps)
@@ -391,7 +391,7 @@ class Llama(nnx.Module):
             return (x, state), None
 
         xs = (quant.to_bits(self.layers.weights()), jnp.arange(cfg.num_hidden_layers))
-        (x, state), _ = jax.lax.scan(partial(layer, any_lora), (x, state), xs)
+        (x, state), _ = jax.lax.scan(layer, (x, state), xs)
         return x, state
 
     def logits(self, x: jax.Array) -> jax.Array:  # [..., D] hidden before the final norm -> f32[..., V]
