@@ -350,7 +350,8 @@ class ModelRunner:
         sampler's history and grammar mask only when some row uses them, else a resident default)
         and the outputs come back in one (`collect`): on a TPU host each transfer costs latency,
         and the ~24 arrays of a step, sent one by one, cost more than the device's decode step."""
-        shape = batch["dec_positions"].shape + batch["pre_positions"].shape
+        key = self.graph_of(batch)
+        shape = key[0]
         sampling = dict(batch["sampling"])
         history, allowed = sampling.pop("history"), sampling.pop("allowed")
         ints, floats, layout = pack_batch({**batch, "sampling": sampling})
@@ -359,17 +360,17 @@ class ModelRunner:
         dev.append(default_history if history[:, 0].max() < 0 else self.tp.put(history))
         dev.append(default_allowed if allowed.min() == -1 and allowed.max() == -1 else self.tp.put(allowed))
         dev.append(no_tokens if prev is None else prev.tokens)
-        key = self.graph_for(shape, bool((batch["slot_ids"] >= 0).any()))
         if key not in self._executables:  # lazy mode, or a shape warm-up did not cover
             self._compile([key])
         packed, tokens, self.cache = self._executables[key](self._weights, self.lora.state if key[1] else None,
                                                             self.cache, *dev)
         return StepHandle(shape, packed, tokens)
 
-    def graph_for(self, shape: tuple[int, int, int], any_adapter: bool) -> tuple[tuple[int, int, int], bool]:
-        """The step graph a batch of `shape` runs: the one without LoRA when no row has an adapter
-        and the shape has one (EngineConfig.base_graphs), else the LoRA graph."""
-        return shape, any_adapter or shape not in self._base_shapes
+    def graph_of(self, batch: dict[str, Any]) -> tuple[tuple[int, int, int], bool]:
+        """The step graph (shape, with LoRA) a batch runs: the one without LoRA when no row has an
+        adapter and its shape has one (EngineConfig.base_graphs), else the LoRA graph."""
+        shape = batch["dec_positions"].shape + batch["pre_positions"].shape
+        return shape, bool((batch["slot_ids"] >= 0).any()) or shape not in self._base_shapes
 
     def collect(self, handle: StepHandle) -> dict[str, np.ndarray]:
         """Waits for a launched step; its outputs on the host, in one transfer."""
