@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jlora.kernels.attention import paged_attention_reference
 from jlora.engine.runner import whole_cache_copies
-from jlora.kernels.paged_attention_tpu import (UNROLL_PAGES, VMEM_BUDGET, default_chunk, lane_tiles,
+from jlora.kernels.paged_attention_tpu import (UNROLL_PAGES, VMEM_BUDGET, compute_block, default_chunk, lane_tiles,
                                                paged_attention_tpu, query_block, vmem_estimate)
 
 
@@ -77,6 +77,34 @@ def test_pages_past_the_end_are_not_read(h, kvh, dh, bs, chunk, nq):
     want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
     assert not np.isnan(np.asarray(got)).any()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("h,kvh,dh,bs,chunk,nq,sub", [
+    (4, 2, 64, 16, 256, 1, None),  # decode: 128-position steps of 8 pages, the last partly copied
+    (4, 2, 64, 16, 256, 1, 16),    # a page a step
+    (4, 2, 64, 32, 128, 1, 16),    # half a page a step
+    (8, 2, 64, 16, 256, 3, 64),    # several queries, 4 pages a step
+])
+def test_compute_steps_skip_what_a_sequence_does_not_reach(h, kvh, dh, bs, chunk, nq, sub):
+    """A program computes its chunk in `sub_block` steps and skips those past its sequence's last
+    copied page (whose buffer rows hold NaN here: the first sequence's buffer was never written)."""
+    q, k, v, positions, tables = make_case(h, kvh, dh, bs, nq, seed=11 + nq)
+    q, positions, tables = q[::-1].copy(), positions[::-1].copy(), tables[::-1].copy()
+    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, sub_block=sub,
+                              interpret=pltpu.InterpretParams(uninitialized_memory="nan"))
+    want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
+    assert not np.isnan(np.asarray(got)).any()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_compute_block_rule_and_bad_sub_blocks():
+    assert compute_block(1024, 128, 8) == 128 and compute_block(1024, 16, 4) == 128  # decode rows
+    assert compute_block(1024, 256, 8) == 256 and compute_block(64, 16, 8) == 64  # a page; the whole chunk
+    assert compute_block(1024, 128, 512) == 1024  # prefill rows take the chunk at once
+    q, k, v, positions, tables = make_case(4, 2, 16, 16, 1)
+    for bad in (0, 24, 48):
+        with pytest.raises(ValueError, match="sub_block must divide the chunk 64"):
+            paged_attention_tpu(q, k, v, jnp.int32(0), positions, tables, chunk=64, sub_block=bad, interpret=True)
 
 
 @pytest.mark.parametrize("window", [1, 40, 150])
@@ -228,10 +256,11 @@ def test_kernel_variant_specs_parse_and_bad_ones_are_named():
 
     from jlora.bench.tpu import parse_kernel_variants
 
-    assert parse_kernel_variants("16x256,128x1024+nobc+vmem64") == [
-        (16, 256, {}), (128, 1024, {"bounds_checks": False, "vmem_limit": 64 * 2**20})]
+    assert parse_kernel_variants("16x256,128x1024+nobc+vmem64,128x1024+sub1024") == [
+        (16, 256, {}), (128, 1024, {"bounds_checks": False, "vmem_limit": 64 * 2**20}),
+        (128, 1024, {"sub_block": 1024})]
     assert parse_kernel_variants("") == []
-    for bad in ("128", "128x1024+fast", "axb", "128x1024+vmem"):
+    for bad in ("128", "128x1024+fast", "axb", "128x1024+vmem", "128x1024+subx"):
         with pytest.raises(argparse.ArgumentTypeError, match="BSxCHUNK"):
             parse_kernel_variants(bad)
 

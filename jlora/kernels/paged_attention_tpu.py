@@ -30,6 +30,12 @@ row carries its head's vector at that head's lanes of the tile and zeros elsewhe
 are discarded outside). Every key and value element passes through the MXU once, as it must;
 the zeros cost MXU rows, not HBM bytes. Softmax is online across chunks, in float32.
 
+How much it computes. A chunk is sized for long sequences (1,024 positions at the 1B shape), so a
+short sequence's program copied two pages but computed all eight; a decode program (few query
+rows: `compute_block`) now computes its chunk in steps of whole pages, at least 128 positions,
+and skips the steps past its sequence's last page. A prefill program (hundreds of rows) takes the
+chunk at once: rescaling its accumulator each step would cost more than the empty rest.
+
 `paged_attention_tpu(..., interpret=True)` runs on the CPU (tests/test_attention_tpu.py holds it
 against the reference); `jax.export` lowers it for platforms=["tpu"] without the chip.
 """
@@ -57,6 +63,8 @@ DEFAULT_SCOPED_VMEM = 16 * 2**20  # Mosaic's scoped VMEM limit on a v5e unless v
 # Chunks of at most this many pages issue their DMAs as straight-line code (pl.when per page);
 # longer ones loop.
 UNROLL_PAGES = 16
+# Programs with at most this many query rows (decode: a query's heads) compute a chunk in steps.
+SMALL_PROGRAM_ROWS = 64
 
 
 def default_chunk(kd: int, itemsize: int) -> int:
@@ -75,6 +83,16 @@ def lane_tiles(kvh: int, dh: int) -> tuple[int, int]:
     if 128 % dh == 0 and (kvh * dh) % 128 == 0:
         return 128, 128 // dh
     return kvh * dh, kvh
+
+
+def compute_block(chunk: int, bs: int, rows: int) -> int:
+    """Key positions per compute step of a program with `rows` query rows: a decode program (at
+    most SMALL_PROGRAM_ROWS rows) computes a chunk in steps of at least 128 positions (whole
+    pages), skipping those past its sequence's last page; a prefill program takes the chunk at
+    once, as its rows' rescaling per step would cost more than the empty rest it skips."""
+    if rows > SMALL_PROGRAM_ROWS:
+        return chunk
+    return min(chunk, bs * -(-128 // bs))
 
 
 def vmem_estimate(rows: int, chunk: int, kd: int, itemsize: int) -> int:
@@ -106,7 +124,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
             o_ref,  # f32[NT, rows, LT]
             kbuf, vbuf, sems, m_ref, l_ref, acc_ref,  # VMEM [2, P, bs, KD] x2, DMA sems [2, 2], [NT, rows, 1] x2, [NT, rows, LT]
             state_ref,  # SMEM i32[2]: the buffer slot of this program's first chunk, whether it is already in flight
-            *, pages: int, blocks_per_seq: int, n_qblocks: int, n_programs: int, lane_tile: int, n_tiles: int):
+            *, pages: int, sub: int, blocks_per_seq: int, n_qblocks: int, n_programs: int, lane_tile: int, n_tiles: int):
     b, i = pl.program_id(0), pl.program_id(1)
     prog = b * n_qblocks + i
     lo, hi, npg = lo_ref[prog], hi_ref[prog], npages_ref[prog]
@@ -146,6 +164,40 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
         def _pages():
             chunk_copies(prog, c, slot, npg, wait)
 
+    def _sub_block(c, slot, j, qpos):
+        """Online softmax over positions [j*sub, (j+1)*sub) of key chunk c, every lane tile."""
+        key0 = c * chunk + j * sub
+        visible_key = key0 + jax.lax.broadcasted_iota(jnp.int32, (1, sub), 1)
+        visible = (visible_key <= qpos) & (visible_key > qpos - window)  # [rows, sub]
+        # Pages past the sequence's last were not copied: their buffer rows hold anything (NaN
+        # included), which the masked scores drop but a product with a zero weight would not. A
+        # sub-block within one page was copied whole or skipped.
+        copied = None
+        if sub > bs:
+            copied = (key0 + jax.lax.broadcasted_iota(jnp.int32, (sub, 1), 0)) < npg * bs  # [sub, 1]
+
+        def rows_of(buf, lanes):  # [sub, LT] of this sub-block from the [2, P, bs, KD] buffer
+            if sub >= bs:
+                return buf[slot, pl.ds(j * (sub // bs), sub // bs), :, lanes].reshape(sub, lane_tile)
+            return buf[slot, (j * sub) // bs, pl.ds((j * sub) % bs, sub), lanes]
+
+        for t in range(n_tiles):
+            lanes = slice(t * lane_tile, (t + 1) * lane_tile)
+            k = rows_of(kbuf, lanes)
+            v = rows_of(vbuf, lanes)
+            if copied is not None:
+                v = jnp.where(copied, v, 0)
+            s = jax.lax.dot_general(q_ref[t], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s = jnp.where(visible, s, -jnp.inf)
+            m_prev = m_ref[t]
+            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp(s - m_safe)
+            alpha = jnp.exp(m_prev - m_safe)
+            l_ref[t] = alpha * l_ref[t] + p.sum(axis=1, keepdims=True)
+            acc_ref[t] = alpha * acc_ref[t] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            m_ref[t] = m_new
+
     start, wait = (lambda cp: cp.start()), (lambda cp: cp.wait())
 
     @pl.when(prog == 0)
@@ -181,25 +233,13 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
 
         wait_chunk(c, slot)
         qpos = qpos_ref[...]  # [rows, 1]
-        key = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-        visible = (key <= qpos) & (key > qpos - window)  # [rows, C]
-        # Pages past the sequence's last were not copied: their buffer rows hold anything (NaN
-        # included), which the masked scores drop but a product with a zero weight would not.
-        copied = (c * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)) < npg * bs  # [C, 1]
-        for t in range(n_tiles):
-            lanes = slice(t * lane_tile, (t + 1) * lane_tile)
-            k = kbuf[slot, :, :, lanes].reshape(chunk, lane_tile)
-            v = jnp.where(copied, vbuf[slot, :, :, lanes].reshape(chunk, lane_tile), 0)
-            s = jax.lax.dot_general(q_ref[t], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            s = jnp.where(visible, s, -jnp.inf)
-            m_prev = m_ref[t]
-            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp(s - m_safe)
-            alpha = jnp.exp(m_prev - m_safe)
-            l_ref[t] = alpha * l_ref[t] + p.sum(axis=1, keepdims=True)
-            acc_ref[t] = alpha * acc_ref[t] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            m_ref[t] = m_new
+        # Only the sub-blocks holding copied pages are computed: a chunk is sized for long
+        # sequences, and a short one's program otherwise spent its time on the empty rest.
+        for j in range(chunk // sub):
+            if j == 0:  # every visited chunk has its first page
+                _sub_block(c, slot, j, qpos)
+            else:
+                pl.when(c * chunk + j * sub < npg * bs)(partial(_sub_block, c, slot, j, qpos))
         return carry
 
     jax.lax.fori_loop(lo, hi, body, 0)
@@ -210,7 +250,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
     o_ref[...] = acc_ref[...] / jnp.where(l > 0, l, 1.0)
 
 
-@partial(jax.jit, static_argnames=("chunk", "interpret", "vmem_limit", "bounds_checks"))
+@partial(jax.jit, static_argnames=("chunk", "interpret", "vmem_limit", "bounds_checks", "sub_block"))
 def paged_attention_tpu(
     q: jax.Array,  # [B, Q, H, Dh]
     cache_k: jax.Array,  # [L, NB, bs, KVH*Dh], float32 / bfloat16 / float16
@@ -227,6 +267,7 @@ def paged_attention_tpu(
     # and its DMA bounds checks (peers turn them off for many small DMAs).
     vmem_limit: int | None = None,
     bounds_checks: bool = True,
+    sub_block: int | None = None,  # positions a skippable compute step covers (None: `compute_block`)
 ) -> jax.Array:  # f32[B, Q, H, Dh], zeros for a padded query
     validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window)
     if cache_k.dtype == jnp.uint16:
@@ -269,7 +310,11 @@ def paged_attention_tpu(
     npages = (jnp.max(blocks, axis=2) + bs) // bs  # pages up to the furthest query (0: all padding)
 
     pages = chunk // bs
-    kernel = partial(_kernel, pages=pages, blocks_per_seq=mb, n_qblocks=nqb, n_programs=bsz * nqb, lane_tile=lt,
+    sub = compute_block(chunk, bs, rows) if sub_block is None else sub_block
+    if sub <= 0 or chunk % sub or (sub % bs and bs % sub):
+        raise ValueError(f"sub_block must divide the chunk {chunk} and be a multiple or a divisor of the block "
+                         f"size {bs}; got {sub}")
+    kernel = partial(_kernel, pages=pages, sub=sub, blocks_per_seq=mb, n_qblocks=nqb, n_programs=bsz * nqb, lane_tile=lt,
                      n_tiles=nt)
     out = pl.pallas_call(
         kernel,
