@@ -629,6 +629,12 @@ def run_workload(llm: Any, log: StepLog, name: str, n: int, prompt_len: int, new
     return row
 
 
+def _executable_cache_stats(llm: Any) -> dict[str, int] | None:
+    """The step graphs the start loaded from the executable cache (None: an older jlora, or off)."""
+    cache = getattr(llm.engine.runner, "executable_cache", None)
+    return None if cache is None else dict(cache.stats)
+
+
 def whole_cache_copies(llm: Any) -> dict[str, Any]:
     """Every compiled step graph's copies, transposes and copy fusions of a whole K or V cache
     (XLA re-laying out the cache: what a v5e profile found four of per step). Must be empty."""
@@ -841,7 +847,8 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                decode_row_buckets=list(llm.config.decode_row_buckets), max_num_batched_tokens=llm.config.max_num_batched_tokens,
                kv_plan=sizes["plan"], graphs=llm.config.num_step_graphs, weight_bytes=weight_bytes,
                weight_bytes_per_step=step_weight_bytes, memory_report=report,
-               compile_seconds=getattr(runner, "compile_seconds", None), device_memory=device_memory(),
+               compile_seconds=getattr(runner, "compile_seconds", None), executable_cache=_executable_cache_stats(llm),
+               device_memory=device_memory(),
                step_memory=step_memory(llm), config=str(llm.config), devices=str(jax.devices()), jax=jax.__version__)
     eng.update(whole_cache_copies(llm))
     eng["whole_weight_copies"] = whole_weight_copies(llm)
@@ -913,7 +920,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     if args.quick:
         return
 
-    # A profile of decode-heavy steps: every row at ~1K context.
+    # A profile of decode-heavy steps: every row at ~1K context (--profile-prompt-len).
     trace = tempfile.mkdtemp(prefix="jlora-trace-")
     # Long enough that every row still decodes in the traced steps: the first rows start decoding
     # while the last prompts are prefilled (one ~1K-token chunk a step).
@@ -921,7 +928,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     k = args.profile_adapters
     params = SamplingParams(temperature=0.0, max_tokens=rows_traced + 40, ignore_eos=True)
     rng = np.random.default_rng(99)
-    plen = min(1000, args.max_model_len - 32)
+    plen = min(args.profile_prompt_len, args.max_model_len - 32)
     ids = [llm.engine.add_request({"prompt_token_ids": rng.integers(3, cfg.vocab_size, plen).tolist()}, params,
                                   loras[i % k] if k else None) for i in range(rows_traced)]
     eng["profile_adapters"] = k
@@ -1387,6 +1394,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="engine: skip the async check and the profile")
     p.add_argument("--profile-rows", type=int, default=None, help="engine profile: sequences traced (default: "
                                                                   "max_num_seqs; 1 traces the one-row step)")
+    p.add_argument("--profile-prompt-len", type=int, default=1000,
+                   help="engine profile: each traced sequence's prompt length (32: short contexts)")
     p.add_argument("--profile-adapters", type=int, default=4, choices=range(0, 5),
                    help="engine profile: adapters round robin over its sequences (0: the base model)")
     p.add_argument("--in-process", action="store_true", help="run every section in this process (a CPU dry run; "
@@ -1496,7 +1505,8 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         res["warm"] = dict(start_s=res["warm_start_s"], runtime_start_s=runtime_start,
                            startup_seconds=getattr(llm, "startup_seconds", {}),
                            weights_cache_hit=getattr(llm, "weights_cache_hit", None),
-                           compiles=compile_stats.compile_count() - n0, cache_hits=compile_stats.cache_hit_count())
+                           compiles=compile_stats.compile_count() - n0, cache_hits=compile_stats.cache_hit_count(),
+                           executable_cache=_executable_cache_stats(llm))
         print(f"warm start {tag} (LLM(), compile and weights caches filled by an earlier process): "
               f"{res['warm_start_s']:.1f} s {json.dumps(res['warm'])}", flush=True)
         _save(out, results)
