@@ -164,22 +164,21 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
         def _pages():
             chunk_copies(prog, c, slot, npg, wait)
 
-    def _sub_block(c, slot, j, qpos):
-        """Online softmax over positions [j*sub, (j+1)*sub) of key chunk c, every lane tile."""
-        key0 = c * chunk + j * sub
-        visible_key = key0 + jax.lax.broadcasted_iota(jnp.int32, (1, sub), 1)
-        visible = (visible_key <= qpos) & (visible_key > qpos - window)  # [rows, sub]
-        # Pages past the sequence's last were not copied: their buffer rows hold anything (NaN
-        # included), which the masked scores drop but a product with a zero weight would not. A
-        # sub-block within one page was copied whole or skipped.
+    def _block(c, slot, j0, size, qpos, mask):
+        """Online softmax over positions [j0, j0 + size) of key chunk c, every lane tile. `mask`: the
+        block may reach pages that were not copied, whose buffer rows hold anything (NaN included),
+        which the masked scores drop but a product with a zero weight would not."""
+        key0 = c * chunk + j0
+        visible_key = key0 + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
+        visible = (visible_key <= qpos) & (visible_key > qpos - window)  # [rows, size]
         copied = None
-        if sub > bs:
-            copied = (key0 + jax.lax.broadcasted_iota(jnp.int32, (sub, 1), 0)) < npg * bs  # [sub, 1]
+        if mask:
+            copied = (key0 + jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)) < npg * bs  # [size, 1]
 
-        def rows_of(buf, lanes):  # [sub, LT] of this sub-block from the [2, P, bs, KD] buffer
-            if sub >= bs:
-                return buf[slot, pl.ds(j * (sub // bs), sub // bs), :, lanes].reshape(sub, lane_tile)
-            return buf[slot, (j * sub) // bs, pl.ds((j * sub) % bs, sub), lanes]
+        def rows_of(buf, lanes):  # [size, LT] of this block from the [2, P, bs, KD] buffer
+            if size >= bs:
+                return buf[slot, pl.ds(j0 // bs, size // bs), :, lanes].reshape(size, lane_tile)
+            return buf[slot, j0 // bs, pl.ds(j0 % bs, size), lanes]
 
         for t in range(n_tiles):
             lanes = slice(t * lane_tile, (t + 1) * lane_tile)
@@ -233,13 +232,22 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
 
         wait_chunk(c, slot)
         qpos = qpos_ref[...]  # [rows, 1]
-        # Only the sub-blocks holding copied pages are computed: a chunk is sized for long
-        # sequences, and a short one's program otherwise spent its time on the empty rest.
-        for j in range(chunk // sub):
-            if j == 0:  # every visited chunk has its first page
-                _sub_block(c, slot, j, qpos)
-            else:
-                pl.when(c * chunk + j * sub < npg * bs)(partial(_sub_block, c, slot, j, qpos))
+        if sub == chunk:
+            _block(c, slot, 0, chunk, qpos, mask=pages > 1)
+            return carry
+        # A chunk with every page copied is computed at once; a partial one (a sequence's last) in
+        # steps, skipping those past its last page: steps cost more each than one whole chunk.
+        full = (npg - c * pages) >= pages
+        pl.when(full)(partial(_block, c, slot, 0, chunk, qpos, False))
+
+        @pl.when(jnp.logical_not(full))
+        def _steps():
+            for j in range(chunk // sub):
+                step = partial(_block, c, slot, j * sub, sub, qpos, sub > bs)
+                if j == 0:  # every visited chunk has its first page
+                    step()
+                else:
+                    pl.when(c * chunk + j * sub < npg * bs)(step)
         return carry
 
     jax.lax.fori_loop(lo, hi, body, 0)
