@@ -3,7 +3,9 @@
 Every per-request setting becomes a row of an array, so one compiled sampler per batch bucket
 serves any mix of greedy and sampled rows. The expensive parts (a full-vocabulary sort for
 top-k/top-p/min-p, penalties, top-n logprobs) sit behind `lax.cond` and cost nothing in a batch
-that does not ask for them.
+that does not ask for them. One outer `lax.switch` returning no [B, V] array (see `sample` for
+why) gives a batch of plain greedy rows one argmax, and skips the logit edits (bans, bias, grammar
+mask, penalties) in a batch without them.
 """
 
 from __future__ import annotations
@@ -119,12 +121,8 @@ def _filter_mask(scaled, top_k, top_p, min_p):  # f32[B, V] -> bool[B, V] (vocab
     return jnp.zeros((b, v), bool).at[rows, order].set(keep)
 
 
-@jax.jit
-def sample(
-    logits: jax.Array,  # f32[B, V]
-    batch: dict[str, jax.Array],  # from build_sampling_batch
-) -> dict[str, jax.Array]:  # tokens i32[B]; token_logprob f32[B]; top_ids i32[B, K]; top_logprobs f32[B, K]
-    logits = raw = logits.astype(jnp.float32)
+def _modify(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:  # f32[B, V] -> f32[B, V]
+    """Bans, logit bias, the grammar mask and penalties, each behind its own `lax.cond`."""
     b, v = logits.shape
     # Suppress EOS / stop tokens of rows still short of min_tokens.
     banned = batch["banned"]
@@ -148,12 +146,26 @@ def sample(
             return jnp.where(bits.reshape(b, -1)[:, :v] > 0, logits, -jnp.inf)
 
         logits = jax.lax.cond(jnp.any(allowed != -1), masked, lambda: logits)
-    logits = jax.lax.cond(
-        jnp.any((batch["repetition_penalty"] != 1.0) | (batch["presence_penalty"] != 0.0)
-                | (batch["frequency_penalty"] != 0.0)),
+    return jax.lax.cond(
+        _uses_penalties(batch),
         lambda: _apply_penalties(logits, batch["history"], batch["n_prompt"], batch["repetition_penalty"],
                                  batch["presence_penalty"], batch["frequency_penalty"]),
         lambda: logits)
+
+
+def _uses_penalties(batch: dict[str, jax.Array]) -> jax.Array:  # bool[]
+    return jnp.any((batch["repetition_penalty"] != 1.0) | (batch["presence_penalty"] != 0.0)
+                   | (batch["frequency_penalty"] != 0.0))
+
+
+def _no_logprobs(b: int, v: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    k = min(MAX_LOGPROBS, v)
+    return jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
+
+
+def _draw(logits: jax.Array, raw: jax.Array, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Tokens from the modified `logits` (greedy or sampled per row), logprobs from the `raw` ones."""
+    b, v = logits.shape
     temperature = batch["temperature"]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_sampled = temperature > 0
@@ -182,10 +194,36 @@ def sample(
         top_lp, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, v))
         return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
-    def without_logprobs():
-        k = min(MAX_LOGPROBS, v)
-        return (jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.int32),
-                jnp.zeros((b, k), jnp.float32))
-
-    tok_lp, top_ids, top_lp = jax.lax.cond(jnp.any(batch["want_logprobs"]), with_logprobs, without_logprobs)
+    tok_lp, top_ids, top_lp = jax.lax.cond(jnp.any(batch["want_logprobs"]), with_logprobs, lambda: _no_logprobs(b, v))
     return {"tokens": tokens, "token_logprob": tok_lp, "top_ids": top_ids, "top_logprobs": top_lp}
+
+
+@jax.jit
+def sample(
+    logits: jax.Array,  # f32[B, V]
+    batch: dict[str, jax.Array],  # from build_sampling_batch
+) -> dict[str, jax.Array]:  # tokens i32[B]; token_logprob f32[B]; top_ids i32[B, K]; top_logprobs f32[B, K]
+    logits = logits.astype(jnp.float32)
+    b, v = logits.shape
+    # XLA:TPU copies a conditional's pass-through operand into its output buffer: each
+    # `cond(pred, modified, lambda: logits)` in `_modify` costs a full [B, V] copy even when no row
+    # uses it (0.26 ms of a 7.8 ms SmolLM2 decode step at B=64 on a v5e). So one switch up front
+    # whose branches return only the small outputs: plain greedy rows (the common batch) cost one
+    # argmax, and sampled or logprobs rows that modify no logit skip `_modify`. lm_head matmul +
+    # sampler on a v5e, B=64, V=49152: greedy 0.26 -> 0.09 ms, sampled 0.33 -> 0.20 ms (the matmul
+    # and an argmax alone: 0.08 ms); a batch with logit edits pays 0.01 ms for the switch.
+    modifies = jnp.any(batch["banned"] >= 0) | _uses_penalties(batch)
+    if "bias_ids" in batch:
+        modifies |= jnp.any(batch["bias_ids"] >= 0)
+    if "allowed" in batch:
+        modifies |= jnp.any(batch["allowed"] != -1)
+    draws = jnp.any(batch["temperature"] > 0) | jnp.any(batch["want_logprobs"])
+
+    def greedy_only() -> dict[str, jax.Array]:
+        tok_lp, top_ids, top_lp = _no_logprobs(b, v)
+        return {"tokens": jnp.argmax(logits, axis=-1).astype(jnp.int32), "token_logprob": tok_lp,
+                "top_ids": top_ids, "top_logprobs": top_lp}
+
+    return jax.lax.switch(jnp.where(modifies, 2, jnp.where(draws, 1, 0)),
+                          [greedy_only, lambda: _draw(logits, logits, batch),
+                           lambda: _draw(_modify(logits, batch), logits, batch)])
