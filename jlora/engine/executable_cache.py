@@ -26,7 +26,6 @@ import logging
 import os
 import pickle
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +94,6 @@ class ExecutableCache:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self.stats = {"hits": 0, "misses": 0, "writes": 0, "errors": 0}
-        self._lock = threading.Lock()  # loads and stores run in the runner's threads
-
-    def _count(self, what: str) -> None:
-        with self._lock:
-            self.stats[what] += 1
 
     def path(self, key: str) -> Path:
         return self.root / (key + SUFFIX)
@@ -110,7 +104,7 @@ class ExecutableCache:
 
         path = self.path(key)
         if not path.is_file():
-            self._count("misses")
+            self.stats["misses"] += 1
             return None
         try:
             with open(path, "rb") as f:
@@ -121,11 +115,11 @@ class ExecutableCache:
         except Exception as e:  # a damaged or foreign entry: compile again, never fail the start
             logger.warning("jlora: executable cache entry %s unreadable (%s: %s); compiling again",
                            path, type(e).__name__, e)
-            self._count("errors")
-            self._count("misses")
+            self.stats["errors"] += 1
+            self.stats["misses"] += 1
             path.unlink(missing_ok=True)
             return None
-        self._count("hits")
+        self.stats["hits"] += 1
         return compiled, extra
 
     def store(self, key: str, compiled: jax.stages.Compiled, extra: Any) -> bool:
@@ -145,7 +139,7 @@ class ExecutableCache:
                     os.unlink(tmp)
         except Exception as e:  # a read-only disk or an executable that cannot be serialized
             logger.warning("jlora: could not write executable cache entry %s (%s: %s)", key, type(e).__name__, e)
-            self._count("errors")
+            self.stats["errors"] += 1
             return False
-        self._count("writes")
+        self.stats["writes"] += 1
         return True

@@ -430,20 +430,17 @@ class ModelRunner:
         if not keys:
             return
         t0 = time.perf_counter()
-        lowered, cache_keys, graph_args = {}, {}, {key: self._graph_args(key) for key in keys}
-        if self.executable_cache is not None:
-            cache_keys = {key: self.executable_key(key, *graph_args[key]) for key in keys}
-            # Loads side by side: deserializing took ~1.1 s a graph on a TPU host, outside Python.
-            with ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1)) as pool:
-                hits = dict(zip(keys, pool.map(lambda k: self.executable_cache.load(cache_keys[k]), keys)))
-            for key, hit in hits.items():
+        lowered, cache_keys = {}, {}
+        for key in keys:
+            args, static = self._graph_args(key)
+            if self.executable_cache is not None:
+                cache_keys[key] = self.executable_key(key, args, static)
+                hit = self.executable_cache.load(cache_keys[key])
                 if hit is not None:
                     self._executables[key], self._out_layouts[key[0]] = hit
                     self.compile_seconds["loaded"] += 1
-        for key in keys:
-            if key not in self._executables:
-                args, static = graph_args[key]
-                lowered[key] = self._step.lower(*args, **static)
+                    continue
+            lowered[key] = self._step.lower(*args, **static)
         t1 = time.perf_counter()
 
         def build(key: tuple[tuple[int, int, int], bool]) -> None:
