@@ -16,8 +16,6 @@ from jlora import compile_stats
 from jlora.adapters.request import LoRARequest
 from jlora.engine_args import ENGINE_DEFAULTS, engine_config
 from jlora.engine.data_parallel import DataParallelEngine
-from jlora.engine.executable_cache import ExecutableCache, cache_enabled as executable_cache_enabled
-from jlora.engine.executable_cache import default_dir as default_executable_dir
 from jlora.engine.llm_engine import LLMEngine
 from jlora.models.loading import load_model, resolve_model_path
 from jlora.outputs import RequestOutput
@@ -50,11 +48,6 @@ def adapter_cache_dir(compilation_cache_dir: str | os.PathLike | None = None) ->
     return default_cache_dir(compilation_cache_dir)
 
 
-def executable_cache_dir(compilation_cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where compiled step graphs are kept: an `executables` sibling of the compile cache directory."""
-    return default_executable_dir(compilation_cache_dir)
-
-
 class LLM:
     """A model, its tokenizer and an engine; `generate`, `generate_stream` and `chat` as in vLLM.
 
@@ -69,11 +62,6 @@ class LLM:
     weights_cache=True keeps the converted (dequantized) weights on disk, keyed by the source file's
     contents, so a second start does not dequantize the GGUF again (`jlora.models.weights_cache`);
     False turns it off (so does JLORA_WEIGHTS_CACHE=0); a path puts the cache there.
-
-    executable_cache=True keeps each compiled step graph on disk (`jlora.engine.executable_cache`), so a
-    warm start loads it without tracing or compiling it (on a TPU, tracing cost ~1.4 s a graph even
-    when XLA's cache then had it); it follows use_compilation_cache, JLORA_EXECUTABLE_CACHE=0 turns it
-    off, a path puts it there.
 
     adapter_cache=True does the same for converted LoRA adapters (`jlora.adapters.disk_cache`): keyed by
     the adapter's content, so a restart or a second engine reads instead of converting; False turns
@@ -116,7 +104,6 @@ class LLM:
         use_compilation_cache: bool = True,
         weights_cache: bool | str | os.PathLike = True,
         adapter_cache: bool | str | os.PathLike = True,
-        executable_cache: bool | str | os.PathLike = True,
         progress: bool = True,
     ):
         t0 = time.perf_counter()
@@ -179,13 +166,6 @@ class LLM:
         if adapter_cache is True and compilation_cache_dir is not None:
             adapter_cache = adapter_cache_dir(compilation_cache_dir)
         self.engine.adapters.set_disk_cache(adapter_cache)
-        if not isinstance(executable_cache, (bool, str, os.PathLike)):
-            raise ValueError(f"executable_cache must be a bool or a directory, got {executable_cache!r}")
-        if executable_cache and use_compilation_cache and executable_cache_enabled():
-            exe_cache = ExecutableCache(executable_cache_dir(compilation_cache_dir) if executable_cache is True
-                                        else executable_cache)
-            for runner in self.runners:
-                runner.set_executable_cache(exe_cache)
         self.engine.adapters.set_max_cpu_lora_bytes(max_cpu_lora_bytes)
         t4 = time.perf_counter()
         # Where the start-up went, in seconds (`jlora bench start` reports these).
@@ -213,15 +193,12 @@ class LLM:
             self._say(f"compiling {steps + slots} graphs ({steps} step graphs, {slots} set_slot); "
                       f"{_compile_cache_holds()}")
         t, n, hits = time.perf_counter(), compile_stats.compile_count(), compile_stats.cache_hit_count()
-        loaded = sum(r.compile_seconds["loaded"] for r in self.runners)
         for runner in self.runners:
             runner.warmup(progress=self.progress)
         if self.progress:
             n, hits = compile_stats.compile_count() - n, compile_stats.cache_hit_count() - hits
-            loaded = sum(r.compile_seconds["loaded"] for r in self.runners) - loaded
             self._say(f"warm-up done in {time.perf_counter() - t:.1f} s: {n} graphs compiled ({hits} of them "
-                      f"loaded from the compile cache)"
-                      + (f", {loaded} step graphs loaded from the executable cache" if loaded else ""))
+                      f"loaded from the compile cache)")
 
     def _say(self, message: str) -> None:
         """One line of what the start is doing, on stderr beside tqdm's bars (only with progress=True)."""

@@ -31,7 +31,6 @@ from tqdm.auto import tqdm
 from jlora import compile_stats
 from jlora.adapters.manager import LoRASlots, SlotWrite
 from jlora.engine.config import EngineConfig
-from jlora.engine.executable_cache import ExecutableCache, describe, entry_key
 from jlora.engine.structured import fill_mask
 from jlora.kernels.paged_attention_tpu import default_chunk
 from jlora.models import quant
@@ -221,9 +220,7 @@ class ModelRunner:
         # ((R, P, Q), with LoRA) -> compiled step (EngineConfig.step_graphs)
         self._executables: dict[tuple[tuple[int, int, int], bool], Any] = {}
         self._base_shapes = frozenset(config.base_graph_shapes())  # shapes with a graph without LoRA too
-        # Warm-up's parts; "loaded": graphs taken from the executable cache (neither traced nor compiled).
-        self.compile_seconds: dict[str, Any] = {"trace_and_lower": 0.0, "compile": 0.0, "graphs": {}, "loaded": 0}
-        self.executable_cache: ExecutableCache | None = None
+        self.compile_seconds: dict[str, Any] = {"trace_and_lower": 0.0, "compile": 0.0, "graphs": {}}
         self._out_layouts: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> how its packed outputs unpack
         self._resident: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}  # rows -> `_defaults`
 
@@ -396,51 +393,26 @@ class ModelRunner:
         self.cache = self._zero_cache()
         return True
 
-    def set_executable_cache(self, cache: ExecutableCache | None) -> None:
-        """Where compiled step graphs are kept across starts (`jlora.engine.executable_cache`; None: off)."""
-        self.executable_cache = cache
-
-    def _graph_args(self, key: tuple[tuple[int, int, int], bool]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The step's arguments for graph `key` (an empty batch of its shape) and its static ones."""
-        shape, with_lora = key
-        batch = self.empty_batch(shape)
-        sampling = dict(batch["sampling"])
-        extra = self._defaults(shape[0], sampling.pop("history").shape[1], sampling.pop("allowed").shape[1])
-        ints, floats, layout = pack_batch({**batch, "sampling": sampling})
-        args = (self._weights, self.lora.state if with_lora else None, self.cache, *self.tp.put((ints, floats)), *extra)
-        # A shape with a graph without LoRA leaves adapter-free steps to it: its LoRA graph
-        # computes LoRA for every row instead of skipping it with conditionals.
-        static = dict(layout=layout, lora_impl=self.config.lora_impl, attn_chunk=self.attn_chunk,
-                      attn_impl=self.attn_impl, lora_skip=shape not in self._base_shapes)
-        return args, static
-
-    def executable_key(self, key: tuple[tuple[int, int, int], bool], args: tuple[Any, ...] | None = None,
-                       static: dict[str, Any] | None = None) -> str:
-        """Graph `key`'s entry in the executable cache: its arguments and static arguments as
-        described from the outside, the model's and engine's configs (and the environment, which
-        `entry_key` adds)."""
-        if args is None or static is None:
-            args, static = self._graph_args(key)
-        return entry_key(describe(args, static) + repr((self.cfg, self.layout_cfg, self.config, str(self._weights_def))))
-
     def _compile(self, keys: list[tuple[tuple[int, int, int], bool]], progress: bool = False) -> None:
         """Trace and lower each graph ((shape, with LoRA): Python, one at a time), then compile them on
-        all cores at once: XLA compiles outside the GIL, and the step graphs do not depend on each other.
-        A graph in the executable cache is loaded instead, neither traced nor compiled."""
+        all cores at once: XLA compiles outside the GIL, and the step graphs do not depend on each other."""
         if not keys:
             return
         t0 = time.perf_counter()
-        lowered, cache_keys = {}, {}
+        lowered = {}
         for key in keys:
-            args, static = self._graph_args(key)
-            if self.executable_cache is not None:
-                cache_keys[key] = self.executable_key(key, args, static)
-                hit = self.executable_cache.load(cache_keys[key])
-                if hit is not None:
-                    self._executables[key], self._out_layouts[key[0]] = hit
-                    self.compile_seconds["loaded"] += 1
-                    continue
-            lowered[key] = self._step.lower(*args, **static)
+            shape, with_lora = key
+            batch = self.empty_batch(shape)
+            sampling = dict(batch["sampling"])
+            extra = self._defaults(shape[0], sampling.pop("history").shape[1], sampling.pop("allowed").shape[1])
+            ints, floats, layout = pack_batch({**batch, "sampling": sampling})
+            # A shape with a graph without LoRA leaves adapter-free steps to it: its LoRA graph
+            # computes LoRA for every row instead of skipping it with conditionals.
+            lowered[key] = self._step.lower(self._weights, self.lora.state if with_lora else None, self.cache,
+                                            *self.tp.put((ints, floats)), *extra,
+                                            layout=layout, lora_impl=self.config.lora_impl,
+                                            attn_chunk=self.attn_chunk, attn_impl=self.attn_impl,
+                                            lora_skip=shape not in self._base_shapes)
         t1 = time.perf_counter()
 
         def build(key: tuple[tuple[int, int, int], bool]) -> None:
@@ -448,18 +420,14 @@ class ModelRunner:
             with compile_stats.stage("step"):
                 self._executables[key] = lowered[key].compile()
             self.compile_seconds["graphs"][f"{key[0]}{'' if key[1] else ' base'}"] = time.perf_counter() - t
-            if key in cache_keys:
-                self.executable_cache.store(cache_keys[key], self._executables[key], self._out_layouts[key[0]])
 
-        if lowered:
-            bar = tqdm(total=len(lowered), desc="jlora warm-up (compiling step graphs)", disable=not progress)
-            with ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
-                for _ in pool.map(build, list(lowered)):
-                    bar.update(1)
-            bar.close()
+        bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
+        with ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1)) as pool:
+            for _ in pool.map(build, keys):
+                bar.update(1)
+        bar.close()
         # Where warm-up goes (start-up's largest part on a TPU): Python tracing and lowering, one
-        # graph at a time (or loading it from the executable cache), then the compiles (or
-        # persistent-cache loads) side by side.
+        # graph at a time, then the compiles (or persistent-cache loads) side by side.
         self.compile_seconds["trace_and_lower"] += t1 - t0
         self.compile_seconds["compile"] += time.perf_counter() - t1
 
