@@ -153,9 +153,6 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
     for row in run["workloads"]:
         assert row["quantization"] == "int8" and row["requests"] == 3 and row["generated"] == 3 * 256
     assert run["warm"]["weights_cache_hit"] is True and run["warm"]["compiles"] == run["warm"]["cache_hits"]
-    # The engine section wrote its step graphs to the executable cache; the warm start loaded them all.
-    assert eng["executable_cache"]["writes"] == 5
-    assert run["warm"]["executable_cache"] == {"hits": 5, "misses": 0, "writes": 0, "errors": 0}
     assert {q["mode"] for q in r["qmatmul"]["tiny"]} == set(tpu.QMATMUL_MODES) and "errors" not in r["qmatmul"]["tiny"][0]
     assert r["agree"]["tiny"]["int8"]["top1"] > 0.9 and r["agree"]["tiny"]["int8-weight-only"]["top1"] > 0.9
     assert "errors" not in r

@@ -629,12 +629,6 @@ def run_workload(llm: Any, log: StepLog, name: str, n: int, prompt_len: int, new
     return row
 
 
-def _executable_cache_stats(llm: Any) -> dict[str, int] | None:
-    """The step graphs the start loaded from the executable cache (None: an older jlora, or off)."""
-    cache = getattr(llm.engine.runner, "executable_cache", None)
-    return None if cache is None else dict(cache.stats)
-
-
 def whole_cache_copies(llm: Any) -> dict[str, Any]:
     """Every compiled step graph's copies, transposes and copy fusions of a whole K or V cache
     (XLA re-laying out the cache: what a v5e profile found four of per step). Must be empty."""
@@ -847,8 +841,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                decode_row_buckets=list(llm.config.decode_row_buckets), max_num_batched_tokens=llm.config.max_num_batched_tokens,
                kv_plan=sizes["plan"], graphs=llm.config.num_step_graphs, weight_bytes=weight_bytes,
                weight_bytes_per_step=step_weight_bytes, memory_report=report,
-               compile_seconds=getattr(runner, "compile_seconds", None), executable_cache=_executable_cache_stats(llm),
-               device_memory=device_memory(),
+               compile_seconds=getattr(runner, "compile_seconds", None), device_memory=device_memory(),
                step_memory=step_memory(llm), config=str(llm.config), devices=str(jax.devices()), jax=jax.__version__)
     eng.update(whole_cache_copies(llm))
     eng["whole_weight_copies"] = whole_weight_copies(llm)
@@ -1505,8 +1498,7 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         res["warm"] = dict(start_s=res["warm_start_s"], runtime_start_s=runtime_start,
                            startup_seconds=getattr(llm, "startup_seconds", {}),
                            weights_cache_hit=getattr(llm, "weights_cache_hit", None),
-                           compiles=compile_stats.compile_count() - n0, cache_hits=compile_stats.cache_hit_count(),
-                           executable_cache=_executable_cache_stats(llm))
+                           compiles=compile_stats.compile_count() - n0, cache_hits=compile_stats.cache_hit_count())
         print(f"warm start {tag} (LLM(), compile and weights caches filled by an earlier process): "
               f"{res['warm_start_s']:.1f} s {json.dumps(res['warm'])}", flush=True)
         _save(out, results)
