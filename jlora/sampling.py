@@ -209,9 +209,9 @@ def sample(
     # `cond(pred, modified, lambda: logits)` in `_modify` costs a full [B, V] copy even when no row
     # uses it (0.26 ms of a 7.8 ms decode step of the bench's 1B shape at B=64 on a v5e). So one
     # switch up front whose branches return only the small outputs: plain greedy rows (the common
-    # batch) cost one argmax, and sampled or logprobs rows that modify no logit skip `_modify`. lm_head matmul +
-    # sampler on a v5e, B=64, V=49152: greedy 0.26 -> 0.09 ms, sampled 0.33 -> 0.20 ms (the matmul
-    # and an argmax alone: 0.08 ms); a batch with logit edits pays 0.01 ms for the switch.
+    # batch) cost one argmax, and sampled or logprobs rows that modify no logit skip `_modify`.
+    # lm_head matmul + sampler on a v5e, B=64, V=49152: greedy 0.26 -> 0.09 ms, sampled 0.33 ->
+    # 0.20 ms (the matmul and an argmax alone: 0.08 ms); a batch with logit edits pays 0.01 ms more.
     modifies = jnp.any(batch["banned"] >= 0) | _uses_penalties(batch)
     if "bias_ids" in batch:
         modifies |= jnp.any(batch["bias_ids"] >= 0)
