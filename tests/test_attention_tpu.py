@@ -97,6 +97,26 @@ def test_compute_steps_skip_what_a_sequence_does_not_reach(h, kvh, dh, bs, chunk
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("seqs,nq", [(2, 1), (3, 1), (6, 1), (4, 1), (3, 2)])
+def test_several_sequences_a_program(seqs, nq):
+    """`seqs_per_program`: a program walks several sequences (the largest divisor of B up to it: 4
+    -> 3 of 6), each its own chunks, the next one's first chunk in flight as across programs; a fully
+    padded sequence among them. Uninitialized buffers hold NaN, as in the test above."""
+    q, k, v, positions, tables = make_case(4, 2, 64, 16, nq, seed=21)
+    q = np.concatenate([q, q[::-1]])
+    positions = np.concatenate([positions, positions[::-1] - 5])
+    positions[4] = -1  # a sequence with nothing to read
+    tables = np.concatenate([tables, tables[::-1]])
+    want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
+    for sub in (None, 256):
+        got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=256, sub_block=sub,
+                                  seqs_per_program=seqs, interpret=pltpu.InterpretParams(uninitialized_memory="nan"))
+        assert not np.isnan(np.asarray(got)).any()
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="seqs_per_program must be >= 1"):
+        paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=256, seqs_per_program=0, interpret=True)
+
+
 def test_compute_block_rule_and_bad_sub_blocks():
     assert compute_block(1024, 128, 8) == 128 and compute_block(1024, 16, 4) == 128  # decode rows
     assert compute_block(1024, 256, 8) == 256 and compute_block(64, 16, 8) == 64  # a page; the whole chunk
@@ -158,12 +178,14 @@ def test_layouts():
 
 @pytest.mark.parametrize("shape", [(64, 1, 32, 8, 64, 16, 128), (1, 512, 32, 8, 64, 16, 128),
                                    (16, 1, 9, 3, 64, 16, 128), (4, 128, 32, 8, 128, 16, 256),
-                                   (1, 512, 32, 8, 128, 16, 512)])  # the 8B prefill chunk (its VMEM: query_block)
+                                   (1, 512, 32, 8, 128, 16, 512),  # the 8B prefill chunk (its VMEM: query_block)
+                                   (64, 1, 32, 8, 64, 128, 1024, 8)])  # 8 sequences a program
 def test_lowers_for_tpu(shape):
-    """Mosaic lowering for the chip, without it (B, Q, H, KVH, Dh, bs, chunk; bf16 caches)."""
-    b, nq, h, kvh, dh, bs, chunk = shape
+    """Mosaic lowering for the chip, without it (B, Q, H, KVH, Dh, bs, chunk[, sequences a program];
+    bf16 caches)."""
+    b, nq, h, kvh, dh, bs, chunk, *seqs = shape
     spec = jax.ShapeDtypeStruct
-    fn = jax.jit(partial(paged_attention_tpu, chunk=chunk, interpret=False))
+    fn = jax.jit(partial(paged_attention_tpu, chunk=chunk, interpret=False, seqs_per_program=seqs[0] if seqs else 1))
     exp = jax.export.export(fn, platforms=["tpu"])(
         spec((b, nq, h, dh), jnp.bfloat16), spec((16, 2048, bs, kvh * dh), jnp.bfloat16),
         spec((16, 2048, bs, kvh * dh), jnp.bfloat16), spec((), jnp.int32), spec((b, nq), jnp.int32),
@@ -256,11 +278,11 @@ def test_kernel_variant_specs_parse_and_bad_ones_are_named():
 
     from jlora.bench.tpu import parse_kernel_variants
 
-    assert parse_kernel_variants("16x256,128x1024+nobc+vmem64,128x1024+sub1024") == [
+    assert parse_kernel_variants("16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8") == [
         (16, 256, {}), (128, 1024, {"bounds_checks": False, "vmem_limit": 64 * 2**20}),
-        (128, 1024, {"sub_block": 1024})]
+        (128, 1024, {"sub_block": 1024, "seqs_per_program": 8})]
     assert parse_kernel_variants("") == []
-    for bad in ("128", "128x1024+fast", "axb", "128x1024+vmem", "128x1024+subx"):
+    for bad in ("128", "128x1024+fast", "axb", "128x1024+vmem", "128x1024+subx", "128x1024+seqs"):
         with pytest.raises(argparse.ArgumentTypeError, match="BSxCHUNK"):
             parse_kernel_variants(bad)
 

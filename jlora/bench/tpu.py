@@ -286,8 +286,9 @@ def make_adapters(cfg: Any, n: int, rank: int, root: Path, seed: int = 0) -> lis
 
 def parse_kernel_variants(spec: str) -> list[tuple[int, int, dict[str, Any]]]:
     """`--kernel-variants`: comma-separated BSxCHUNK, each optionally followed by +nobc (the
-    kernel's DMA bounds checks off), +vmemN (its scoped VMEM limit, N MiB) and +subN (N positions
-    a compute step, `sub_block`; +subCHUNK computes whole chunks, as before the steps)."""
+    kernel's DMA bounds checks off), +vmemN (its scoped VMEM limit, N MiB), +subN (N positions
+    a compute step, `sub_block`; +subCHUNK computes whole chunks, as before the steps) and +seqsN
+    (N decode sequences a program, `seqs_per_program`)."""
     out = []
     for item in filter(None, spec.split(",")):
         size, *flags = item.split("+")
@@ -301,10 +302,12 @@ def parse_kernel_variants(spec: str) -> list[tuple[int, int, dict[str, Any]]]:
                     opts["vmem_limit"] = int(f[4:]) * 2**20
                 elif f.startswith("sub"):
                     opts["sub_block"] = int(f[3:])
+                elif f.startswith("seqs"):
+                    opts["seqs_per_program"] = int(f[4:])
                 else:
                     raise ValueError(f)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: want BSxCHUNK[+nobc][+vmemN][+subN], e.g. 128x1024+nobc+vmem64")
+            raise argparse.ArgumentTypeError(f"{item!r}: want BSxCHUNK[+nobc][+vmemN][+subN][+seqsN], e.g. 128x1024+nobc+vmem64")
         out.append((bs, chunk, opts))
     return out
 
@@ -1378,8 +1381,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                 "a sixteenth of --max-model-len, 16-128)")
     p.add_argument("--kernel-variants", default="", type=parse_kernel_variants,
                    help="extra (block size)x(chunk) pairs for the kernel section, each with optional +nobc (no DMA "
-                        "bounds checks), +vmemN (scoped VMEM limit, MiB) and +subN (positions a compute step), e.g. "
-                        "16x256,128x1024+nobc+vmem64,128x1024+sub1024")
+                        "bounds checks), +vmemN (scoped VMEM limit, MiB), +subN (positions a compute step) and +seqsN "
+                        "(decode sequences a program), e.g. 16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8")
     p.add_argument("--load-modes", default="cold,warm", help="comma-separated, of cold, warm, direct")
     p.add_argument("--qmatmul-rows", type=lambda s: tuple(int(x) for x in s.split(",")), default=(32, 512),
                    help="row counts of the qmatmul section (decode rows, a prefill chunk)")
@@ -1447,8 +1450,8 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
                 rows += bench_kernel(cfg, r, ctx, nq, block_size=args.block_size, chunk=chunk, impls=(impl,))
             _save(out, results)
         for bs, chunk, opts in args.kernel_variants:  # other page and chunk sizes, the Pallas kernel only
-            # long rows, short rows, a second chunk mostly empty, prefill
-            for r, ctx, nq in ((64, 1024, 1), (64, 256, 1), (64, 1152, 1), (1, 1024, 256)):
+            # long rows, short rows (the short workload's mean context too), a second chunk mostly empty, prefill
+            for r, ctx, nq in ((64, 1024, 1), (64, 256, 1), (64, 160, 1), (64, 1152, 1), (1, 1024, 256)):
                 rows += bench_kernel(cfg, r, ctx, nq, block_size=bs, chunk=chunk, impls=("pallas",), kernel_opts=opts)
             _save(out, results)
     elif section == "qmatmul":

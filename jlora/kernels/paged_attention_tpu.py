@@ -40,6 +40,12 @@ costs more than its share of a whole chunk), hence steps only where a chunk is p
 program (hundreds of rows) takes the chunk at once: rescaling its accumulator each step would cost
 more than the empty rest it skips.
 
+`seqs_per_program` (an experiment, `jlora bench tpu --kernel-variants ...+seqsN`; default 1): a
+decode program walks several sequences one after the other, each as a program would, so the
+grid's per-program cost (its q and output blocks' copies, the pipeline's steps) is paid once for
+several short sequences. At short contexts a program per sequence costs ~1.1-2.3 us (64 x 160-256
+positions, sixth pass) against ~0.3-0.6 us of DMA.
+
 `paged_attention_tpu(..., interpret=True)` runs on the CPU (tests/test_attention_tpu.py holds it
 against the reference); `jax.export` lowers it for platforms=["tpu"] without the chip.
 """
@@ -124,14 +130,12 @@ def query_block(nq: int, rows_per_query: int, sublanes: int, chunk: int = 0, kd:
 
 
 def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, window), [B*MB], [B*NQB] x3
-            qpos_ref, q_ref, k_hbm, v_hbm,  # [rows, 1] i32, [NT, rows, LT], cache [L, NB, bs, KD] x2 in HBM
-            o_ref,  # f32[NT, rows, LT]
+            qpos_ref, q_ref, k_hbm, v_hbm,  # [(S,) rows, 1] i32, [(S,) NT, rows, LT], cache [L, NB, bs, KD] x2 in HBM
+            o_ref,  # f32[(S,) NT, rows, LT]
             kbuf, vbuf, sems, m_ref, l_ref, acc_ref,  # VMEM [2, P, bs, KD] x2, DMA sems [2, 2], [NT, rows, 1] x2, [NT, rows, LT]
             state_ref,  # SMEM i32[2]: the buffer slot of this program's first chunk, whether it is already in flight
-            *, pages: int, sub: int, blocks_per_seq: int, n_qblocks: int, n_programs: int, lane_tile: int, n_tiles: int):
-    b, i = pl.program_id(0), pl.program_id(1)
-    prog = b * n_qblocks + i
-    lo, hi, npg = lo_ref[prog], hi_ref[prog], npages_ref[prog]
+            *, pages: int, sub: int, seqs: int, blocks_per_seq: int, n_qblocks: int, n_programs: int, lane_tile: int,
+            n_tiles: int):
     layer, window = meta_ref[0], meta_ref[1]
     bs = kbuf.shape[2]
     chunk = pages * bs
@@ -154,115 +158,130 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
         else:
             jax.lax.fori_loop(0, n, lambda p, carry: (one(p), carry)[1], 0)
 
-    def wait_chunk(c, slot):
-        """Wait for key chunk c. A full chunk is one wait per K and V (a DMA semaphore counts bytes,
-        so one wait the size of the whole buffer covers its pages); a partial one, page by page."""
-        full = (npg - c * pages) >= pages
+    def run(prog, q_view, qpos_view, o_view):
+        """One program's work for one sequence (`prog`: its index in execution order) and q block."""
+        lo, hi, npg = lo_ref[prog], hi_ref[prog], npages_ref[prog]
 
-        @pl.when(full)
-        def _whole():
-            for kind, (src, dst) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf))):
-                pltpu.make_async_copy(src.at[layer, pl.ds(0, pages)], dst.at[slot], sems.at[kind, slot]).wait()
+        def wait_chunk(c, slot):
+            """Wait for key chunk c. A full chunk is one wait per K and V (a DMA semaphore counts bytes,
+            so one wait the size of the whole buffer covers its pages); a partial one, page by page."""
+            full = (npg - c * pages) >= pages
 
-        @pl.when(jnp.logical_not(full))
-        def _pages():
-            chunk_copies(prog, c, slot, npg, wait)
+            @pl.when(full)
+            def _whole():
+                for kind, (src, dst) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf))):
+                    pltpu.make_async_copy(src.at[layer, pl.ds(0, pages)], dst.at[slot], sems.at[kind, slot]).wait()
 
-    def _block(c, slot, j0, size, qpos, mask):
-        """Online softmax over positions [j0, j0 + size) of key chunk c, every lane tile. `mask`: the
-        block may reach pages that were not copied, whose buffer rows hold anything (NaN included),
-        which the masked scores drop but a product with a zero weight would not."""
-        key0 = c * chunk + j0
-        visible_key = key0 + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
-        visible = (visible_key <= qpos) & (visible_key > qpos - window)  # [rows, size]
-        copied = None
-        if mask:
-            copied = (key0 + jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)) < npg * bs  # [size, 1]
+            @pl.when(jnp.logical_not(full))
+            def _pages():
+                chunk_copies(prog, c, slot, npg, wait)
 
-        def rows_of(buf, lanes):  # [size, LT] of this block from the [2, P, bs, KD] buffer
-            if size >= bs:
-                return buf[slot, pl.ds(j0 // bs, size // bs), :, lanes].reshape(size, lane_tile)
-            return buf[slot, j0 // bs, pl.ds(j0 % bs, size), lanes]
+        def _block(c, slot, j0, size, qpos, mask):
+            """Online softmax over positions [j0, j0 + size) of key chunk c, every lane tile. `mask`: the
+            block may reach pages that were not copied, whose buffer rows hold anything (NaN included),
+            which the masked scores drop but a product with a zero weight would not."""
+            key0 = c * chunk + j0
+            visible_key = key0 + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
+            visible = (visible_key <= qpos) & (visible_key > qpos - window)  # [rows, size]
+            copied = None
+            if mask:
+                copied = (key0 + jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)) < npg * bs  # [size, 1]
 
-        for t in range(n_tiles):
-            lanes = slice(t * lane_tile, (t + 1) * lane_tile)
-            k = rows_of(kbuf, lanes)
-            v = rows_of(vbuf, lanes)
-            if copied is not None:
-                v = jnp.where(copied, v, 0)
-            s = jax.lax.dot_general(q_ref[t], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            s = jnp.where(visible, s, -jnp.inf)
-            m_prev = m_ref[t]
-            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp(s - m_safe)
-            alpha = jnp.exp(m_prev - m_safe)
-            l_ref[t] = alpha * l_ref[t] + p.sum(axis=1, keepdims=True)
-            acc_ref[t] = alpha * acc_ref[t] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            m_ref[t] = m_new
+            def rows_of(buf, lanes):  # [size, LT] of this block from the [2, P, bs, KD] buffer
+                if size >= bs:
+                    return buf[slot, pl.ds(j0 // bs, size // bs), :, lanes].reshape(size, lane_tile)
+                return buf[slot, j0 // bs, pl.ds(j0 % bs, size), lanes]
 
-    start, wait = (lambda cp: cp.start()), (lambda cp: cp.wait())
+            for t in range(n_tiles):
+                lanes = slice(t * lane_tile, (t + 1) * lane_tile)
+                k = rows_of(kbuf, lanes)
+                v = rows_of(vbuf, lanes)
+                if copied is not None:
+                    v = jnp.where(copied, v, 0)
+                s = jax.lax.dot_general(q_view[t], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                s = jnp.where(visible, s, -jnp.inf)
+                m_prev = m_ref[t]
+                m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                p = jnp.exp(s - m_safe)
+                alpha = jnp.exp(m_prev - m_safe)
+                l_ref[t] = alpha * l_ref[t] + p.sum(axis=1, keepdims=True)
+                acc_ref[t] = alpha * acc_ref[t] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+                m_ref[t] = m_new
 
-    @pl.when(prog == 0)
-    def _init():
-        state_ref[0] = 0
-        state_ref[1] = 0
+        start, wait = (lambda cp: cp.start()), (lambda cp: cp.wait())
 
-    slot0 = state_ref[0]
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        @pl.when(prog == 0)
+        def _init():
+            state_ref[0] = 0
+            state_ref[1] = 0
 
-    @pl.when((lo < hi) & (state_ref[1] == 0))
-    def _first():
-        chunk_copies(prog, lo, slot0, npg, start)
+        slot0 = state_ref[0]
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    # The next program's first chunk goes in flight during this one's last (programs run in order):
-    # no program waits for its first DMA with nothing to compute.
-    nxt = jnp.minimum(prog + 1, n_programs - 1)
-    next_lo, next_hi, next_npg = lo_ref[nxt], hi_ref[nxt], npages_ref[nxt]
-    prefetch_next = (prog + 1 < n_programs) & (next_lo < next_hi)
+        @pl.when((lo < hi) & (state_ref[1] == 0))
+        def _first():
+            chunk_copies(prog, lo, slot0, npg, start)
 
-    def body(c, carry):
-        slot = jax.lax.rem(slot0 + c - lo, 2)
+        # The next program's first chunk goes in flight during this one's last (programs run in order):
+        # no program waits for its first DMA with nothing to compute.
+        nxt = jnp.minimum(prog + 1, n_programs - 1)
+        next_lo, next_hi, next_npg = lo_ref[nxt], hi_ref[nxt], npages_ref[nxt]
+        prefetch_next = (prog + 1 < n_programs) & (next_lo < next_hi)
 
-        @pl.when(c + 1 < hi)
-        def _next_chunk():
-            chunk_copies(prog, c + 1, 1 - slot, npg, start)
+        def body(c, carry):
+            slot = jax.lax.rem(slot0 + c - lo, 2)
 
-        @pl.when((c + 1 == hi) & prefetch_next)
-        def _next_program():
-            chunk_copies(nxt, next_lo, 1 - slot, next_npg, start)
+            @pl.when(c + 1 < hi)
+            def _next_chunk():
+                chunk_copies(prog, c + 1, 1 - slot, npg, start)
 
-        wait_chunk(c, slot)
-        qpos = qpos_ref[...]  # [rows, 1]
-        if sub == chunk:
-            _block(c, slot, 0, chunk, qpos, mask=pages > 1)
+            @pl.when((c + 1 == hi) & prefetch_next)
+            def _next_program():
+                chunk_copies(nxt, next_lo, 1 - slot, next_npg, start)
+
+            wait_chunk(c, slot)
+            qpos = qpos_view[...]  # [rows, 1]
+            if sub == chunk:
+                _block(c, slot, 0, chunk, qpos, mask=pages > 1)
+                return carry
+            # A chunk with every page copied is computed at once; a partial one (a sequence's last) in
+            # steps, skipping those past its last page: steps cost more each than one whole chunk.
+            full = (npg - c * pages) >= pages
+            pl.when(full)(partial(_block, c, slot, 0, chunk, qpos, False))
+
+            @pl.when(jnp.logical_not(full))
+            def _steps():
+                for j in range(chunk // sub):
+                    step = partial(_block, c, slot, j * sub, sub, qpos, sub > bs)
+                    if j == 0:  # every visited chunk has its first page
+                        step()
+                    else:
+                        pl.when(c * chunk + j * sub < npg * bs)(step)
             return carry
-        # A chunk with every page copied is computed at once; a partial one (a sequence's last) in
-        # steps, skipping those past its last page: steps cost more each than one whole chunk.
-        full = (npg - c * pages) >= pages
-        pl.when(full)(partial(_block, c, slot, 0, chunk, qpos, False))
 
-        @pl.when(jnp.logical_not(full))
-        def _steps():
-            for j in range(chunk // sub):
-                step = partial(_block, c, slot, j * sub, sub, qpos, sub > bs)
-                if j == 0:  # every visited chunk has its first page
-                    step()
-                else:
-                    pl.when(c * chunk + j * sub < npg * bs)(step)
-        return carry
+        jax.lax.fori_loop(lo, hi, body, 0)
+        # Where the next program's first chunk is (the slot after this one's last), if in flight.
+        state_ref[0] = jnp.where(lo < hi, 1 - jax.lax.rem(slot0 + hi - lo - 1, 2), 0)
+        state_ref[1] = jnp.where(lo < hi, prefetch_next.astype(jnp.int32), 0)
+        l = l_ref[...]
+        o_view[...] = acc_ref[...] / jnp.where(l > 0, l, 1.0)
 
-    jax.lax.fori_loop(lo, hi, body, 0)
-    # Where the next program's first chunk is (the slot after this one's last), if in flight.
-    state_ref[0] = jnp.where(lo < hi, 1 - jax.lax.rem(slot0 + hi - lo - 1, 2), 0)
-    state_ref[1] = jnp.where(lo < hi, prefetch_next.astype(jnp.int32), 0)
-    l = l_ref[...]
-    o_ref[...] = acc_ref[...] / jnp.where(l > 0, l, 1.0)
+    b, i = pl.program_id(0), pl.program_id(1)
+    if seqs == 1:
+        run(b * n_qblocks + i, q_ref, qpos_ref, o_ref)
+    else:  # several decode sequences a program (one q block each): one after the other, as programs run
+        def one(s, carry):
+            run(b * seqs + s, q_ref.at[s], qpos_ref.at[s], o_ref.at[s])
+            return carry
+
+        jax.lax.fori_loop(0, seqs, one, 0)
 
 
-@partial(jax.jit, static_argnames=("chunk", "interpret", "vmem_limit", "bounds_checks", "sub_block"))
+@partial(jax.jit, static_argnames=("chunk", "interpret", "vmem_limit", "bounds_checks", "sub_block",
+                                   "seqs_per_program"))
 def paged_attention_tpu(
     q: jax.Array,  # [B, Q, H, Dh]
     cache_k: jax.Array,  # [L, NB, bs, KVH*Dh], float32 / bfloat16 / float16
@@ -280,6 +299,9 @@ def paged_attention_tpu(
     vmem_limit: int | None = None,
     bounds_checks: bool = True,
     sub_block: int | None = None,  # positions a skippable compute step covers (None: `compute_block`)
+    # Decode (one query block a sequence): sequences a program walks one after the other, the
+    # largest divisor of B up to this (an experiment: fewer, longer programs at short contexts).
+    seqs_per_program: int = 1,
 ) -> jax.Array:  # f32[B, Q, H, Dh], zeros for a padded query
     validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window)
     if cache_k.dtype == jnp.uint16:
@@ -326,21 +348,25 @@ def paged_attention_tpu(
     if sub <= 0 or chunk % sub or (sub % bs and bs % sub):
         raise ValueError(f"sub_block must divide the chunk {chunk} and be a multiple or a divisor of the block "
                          f"size {bs}; got {sub}")
-    kernel = partial(_kernel, pages=pages, sub=sub, blocks_per_seq=mb, n_qblocks=nqb, n_programs=bsz * nqb, lane_tile=lt,
-                     n_tiles=nt)
+    if seqs_per_program < 1:
+        raise ValueError(f"seqs_per_program must be >= 1; got {seqs_per_program}")
+    seqs = 1 if nqb > 1 else max(d for d in range(1, min(seqs_per_program, bsz) + 1) if bsz % d == 0)
+    kernel = partial(_kernel, pages=pages, sub=sub, seqs=seqs, blocks_per_seq=mb, n_qblocks=nqb,
+                     n_programs=bsz * nqb, lane_tile=lt, n_tiles=nt)
+    lead = None if seqs == 1 else seqs  # a squeezed sequence axis, or S sequences a block
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((bsz, nt, nq * rq, lt), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
-            grid=(bsz, nqb),
+            grid=(bsz // seqs, nqb),
             in_specs=[
-                pl.BlockSpec((None, rows, 1), lambda b, i, *_: (b, i, 0)),
-                pl.BlockSpec((None, nt, rows, lt), lambda b, i, *_: (b, 0, i, 0)),
+                pl.BlockSpec((lead, rows, 1), lambda b, i, *_: (b, i, 0)),
+                pl.BlockSpec((lead, nt, rows, lt), lambda b, i, *_: (b, 0, i, 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
-            out_specs=pl.BlockSpec((None, nt, rows, lt), lambda b, i, *_: (b, 0, i, 0)),
+            out_specs=pl.BlockSpec((lead, nt, rows, lt), lambda b, i, *_: (b, 0, i, 0)),
             scratch_shapes=[
                 pltpu.VMEM((2, pages, bs, kd), cdt), pltpu.VMEM((2, pages, bs, kd), cdt),
                 pltpu.SemaphoreType.DMA((2, 2)),
