@@ -164,7 +164,19 @@ def test_layer_stack_bench_times_every_lora_variant():
     rows = tpu.bench_layers(tpu.SHAPES["tiny"], tokens=(1, 70), reps=1)
     cases = {("none", None), ("off", "skip"), ("mixed", "skip"), ("mixed", "all")}
     assert {(r["tokens"], r["lora"], r["cond"]) for r in rows} == {(t, *c) for t in (1, 70) for c in cases}
-    assert all(r["us"] > 0 for r in rows)
+    assert all(r["us"] > 0 for r in rows) and {r["lora_cond"] for r in rows} == {"pass"}
+
+
+def test_model_switches_reach_the_model(monkeypatch):
+    """`--lora-slices` / `--lora-cond` set the model's trace-time switches; bad values are refused."""
+    from jlora.models import llama
+
+    monkeypatch.setattr(llama, "LORA_SLICES", "inside")
+    monkeypatch.setattr(llama, "LORA_COND", "pass")
+    tpu.apply_model_switches(tpu.parse_args(["--lora-slices", "before", "--lora-cond", "inside"]))
+    assert (llama.LORA_SLICES, llama.LORA_COND) == ("before", "inside")
+    with pytest.raises(SystemExit):
+        tpu.parse_args(["--lora-cond", "outside"])
 
 
 def test_a_disk_too_small_for_the_run_moves_it_to_dev_shm(tmp_path, monkeypatch):

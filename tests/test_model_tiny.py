@@ -158,7 +158,8 @@ def test_missing_model_and_malformed_config(tmp_path):
 
 
 def test_where_lora_is_sliced_or_skipped_changes_nothing(monkeypatch):
-    """LORA_SLICES (a layer's slots sliced inside the LoRA conditional or before it) and lora_skip
+    """LORA_SLICES (a layer's slots sliced inside the LoRA conditional or before it), LORA_COND (the
+    base projection before the conditional or inside its branches) and lora_skip
     (False: LoRA computed for every token, no conditional; what a shape with a base graph runs) give
     the logits the defaults give, bit for bit, with adapters and without."""
     from jlora.models import Llama, init_lora_state, llama
@@ -177,10 +178,11 @@ def test_where_lora_is_sliced_or_skipped_changes_nothing(monkeypatch):
         return np.asarray(m.logits(x))
 
     got = {}
-    for variant in ("inside", "before", "no skip"):
-        monkeypatch.setattr(llama, "LORA_SLICES", "inside" if variant == "no skip" else variant)
+    for variant in ("inside", "before", "no skip", "base inside the cond"):
+        monkeypatch.setattr(llama, "LORA_SLICES", variant if variant in ("inside", "before") else "inside")
+        monkeypatch.setattr(llama, "LORA_COND", "inside" if variant == "base inside the cond" else "pass")
         got[variant] = [logits(ids, variant != "no skip") for ids in ([-1, -1], [0, 1], [-1, 1])]
-    for variant in ("before", "no skip"):
+    for variant in ("before", "no skip", "base inside the cond"):
         for a, b in zip(got["inside"], got[variant]):
             np.testing.assert_array_equal(a, b)
     first = got["inside"]

@@ -426,11 +426,11 @@ def bench_layers(cfg: dict[str, Any], tokens: tuple[int, ...] = (1, 64, 1088), r
             t0 = time.perf_counter()
             run(state, lora, ids, x0).block_until_ready()
             us = (time.perf_counter() - t0) / reps * 1e6
-            row = dict(tokens=t, lora=what, cond=cond, us=us,
+            row = dict(tokens=t, lora=what, cond=cond, lora_cond=getattr(llama, "LORA_COND", "pass"), us=us,
                        matmul_fraction_of_hbm=matmul_bytes / (us * 1e-6) / HBM_BYTES_PER_S,
                        matmul_fraction_of_mxu=2 * _matmul_params(c) * t / (us * 1e-6) / MXU_FLOPS)
             out.append(row)
-            print(f"  layers T={t:5d} lora={what:5s} cond={cond or '-':6s}: {us:9.1f} us a pass "
+            print(f"  layers T={t:5d} lora={what:5s} cond={cond or '-':6s} ({row['lora_cond']}): {us:9.1f} us a pass "
                   f"({row['matmul_fraction_of_hbm']:.0%} of HBM for the weights, "
                   f"{row['matmul_fraction_of_mxu']:.0%} of MXU)", flush=True)
             if (t, what, cond) in profile:
@@ -731,6 +731,18 @@ def engine_sizes(args: argparse.Namespace) -> dict[str, Any]:
                 token_buckets=tuple(buckets), decode_row_buckets=tuple(rows), plan=plan)
 
 
+def apply_model_switches(args: argparse.Namespace) -> None:
+    """The model's trace-time experiment switches (`--lora-slices`, `--lora-cond`), for the engine and
+    layers sections."""
+    from jlora.models import llama
+
+    for flag, name, default in (("lora_slices", "LORA_SLICES", "inside"), ("lora_cond", "LORA_COND", "pass")):
+        if hasattr(llama, name):  # (an older jlora has no choice)
+            setattr(llama, name, getattr(args, flag))
+        elif getattr(args, flag) != default:
+            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: this jlora has no {name}")
+
+
 def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_impl: str | None = None) -> Any:
     from jlora import LLM
 
@@ -744,12 +756,7 @@ def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_i
         extra["attn_chunk"] = args.attn_chunk
     if sizes.get("num_kv_blocks"):
         extra["num_kv_blocks"] = sizes["num_kv_blocks"]
-    from jlora.models import llama
-
-    if hasattr(llama, "LORA_SLICES"):  # (an older jlora has no choice)
-        llama.LORA_SLICES = args.lora_slices
-    elif args.lora_slices != "inside":
-        raise SystemExit(f"--lora-slices {args.lora_slices}: this jlora slices its LoRA slots one way only")
+    apply_model_switches(args)
     if args.base_graphs is not None:
         extra["base_graphs"] = args.base_graphs
     return LLM(str(ckpt), dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
@@ -836,7 +843,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                weights_cache_hit=getattr(llm, "weights_cache_hit", None),
                attn_impl=getattr(runner, "attn_impl", "xla (before)"),
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
-               lora_impl=args.lora_impl, lora_slices=args.lora_slices,
+               lora_impl=args.lora_impl, lora_slices=args.lora_slices, lora_cond=args.lora_cond,
                base_graphs=getattr(llm.config, "base_graphs", None), max_num_seqs=n,
                block_size=llm.config.block_size,
                num_kv_blocks=llm.config.num_kv_blocks,
@@ -1369,6 +1376,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-slices", default="inside", choices=["inside", "before"],
                    help="engine: where a layer's LoRA slots are sliced, inside the conditional or before it "
                         "(jlora.models.llama.LORA_SLICES; an experiment)")
+    p.add_argument("--lora-cond", default="pass", choices=["pass", "inside"],
+                   help="engine and layers: the base projection before the LoRA conditional (pass) or inside its "
+                        "branches (jlora.models.llama.LORA_COND; an experiment)")
     p.add_argument("--base-graphs", default=None, choices=["none", "decode", "all"],
                    help="engine: step shapes that also get a graph without LoRA (default: the engine's)")
     p.add_argument("--prefill-slack", default=None,
@@ -1463,6 +1473,7 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         measured: list[dict[str, Any]] = []
         results.setdefault("layers", {})[args.shape] = measured
         profile = () if args.quick else ((1, "off", "skip"), (1088, "mixed", "all"))
+        apply_model_switches(args)
         bench_layers(SHAPES[args.shape], rank=args.rank, dtype=args.dtype, out=measured,
                      on_row=lambda: _save(out, results), profile=profile, trace_out=out)
         _save(out, results)

@@ -103,6 +103,13 @@ class RMSNorm(nnx.Module):
 # layer's slots a layer, adapters or not. Which is faster is for the chip to say
 # (`jlora bench tpu --lora-slices`); read at trace time.
 LORA_SLICES = "inside"
+# What the LoRA conditional (a step without adapter tokens skips LoRA) returns: "pass" computes the
+# base projection before it and passes it through the branch without adapters; "inside" computes
+# the base projection inside both branches, so no [T, out] array passes through. XLA:TPU copies a
+# conditional's pass-through operand into its output buffer (the sampler's logits cost 0.26 ms a
+# step so; docs/tpu.md, sixth pass), but a weight read inside a branch may fuse differently: for
+# the chip to say (`jlora bench tpu --lora-cond`); read at trace time.
+LORA_COND = "pass"
 
 
 def lora_linear(
@@ -116,16 +123,15 @@ def lora_linear(
     layer: jax.Array | None = None,  # i32 scalar: which layer of stacked [L, N, ...] slots to use
     splits: tuple[int, ...] | None = None,  # packed module: out widths of its sub-modules (A is [.., in, S*R])
 ) -> jax.Array:  # [T, out]
-    y = quant.linear(x, kernel)
     if lora is None:
-        return y
+        return quant.linear(x, kernel)
     pools = lora if isinstance(lora, tuple) else (lora,)
     if layer is not None and LORA_SLICES == "before":
         pools = tuple({k: jax.lax.dynamic_index_in_dim(v, layer, 0, keepdims=False) for k, v in p.items()}
                       for p in pools)
         layer = None
 
-    def with_delta() -> jax.Array:
+    def with_delta(y: jax.Array) -> jax.Array:
         out, first = y, 0
         for pool in pools:  # slots numbered across the pools in order; a pool reads its own ids only
             a, b = pool["A"], pool["B"]
@@ -140,7 +146,10 @@ def lora_linear(
             first += n
         return out
 
-    return with_delta() if enabled is None else jax.lax.cond(enabled, with_delta, lambda: y)
+    if enabled is not None and LORA_COND == "inside":
+        return jax.lax.cond(enabled, lambda: with_delta(quant.linear(x, kernel)), lambda: quant.linear(x, kernel))
+    y = quant.linear(x, kernel)
+    return with_delta(y) if enabled is None else jax.lax.cond(enabled, lambda: with_delta(y), lambda: y)
 
 
 @jax.tree_util.register_dataclass
