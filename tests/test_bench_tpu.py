@@ -168,13 +168,18 @@ def test_layer_stack_bench_times_every_lora_variant():
 
 
 def test_model_switches_reach_the_model(monkeypatch):
-    """`--lora-slices` / `--lora-cond` set the model's trace-time switches; bad values are refused."""
+    """`--lora-slices` / `--lora-cond` / `--attn-seqs-per-program` set the trace-time switches; bad values
+    are refused."""
     from jlora.models import llama
+
+    from jlora.kernels import paged_attention_tpu as kernel
 
     monkeypatch.setattr(llama, "LORA_SLICES", "inside")
     monkeypatch.setattr(llama, "LORA_COND", "pass")
-    tpu.apply_model_switches(tpu.parse_args(["--lora-slices", "before", "--lora-cond", "inside"]))
-    assert (llama.LORA_SLICES, llama.LORA_COND) == ("before", "inside")
+    monkeypatch.setattr(kernel, "SEQS_PER_PROGRAM", 1)
+    tpu.apply_model_switches(tpu.parse_args(["--lora-slices", "before", "--lora-cond", "inside",
+                                             "--attn-seqs-per-program", "8"]))
+    assert (llama.LORA_SLICES, llama.LORA_COND, kernel.SEQS_PER_PROGRAM) == ("before", "inside", 8)
     with pytest.raises(SystemExit):
         tpu.parse_args(["--lora-cond", "outside"])
 

@@ -732,13 +732,17 @@ def engine_sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def apply_model_switches(args: argparse.Namespace) -> None:
-    """The model's trace-time experiment switches (`--lora-slices`, `--lora-cond`), for the engine and
-    layers sections."""
+    """The model's trace-time experiment switches (`--lora-slices`, `--lora-cond`,
+    `--attn-seqs-per-program`), for the engine and layers sections."""
     from jlora.models import llama
 
-    for flag, name, default in (("lora_slices", "LORA_SLICES", "inside"), ("lora_cond", "LORA_COND", "pass")):
-        if hasattr(llama, name):  # (an older jlora has no choice)
-            setattr(llama, name, getattr(args, flag))
+    from jlora.kernels import paged_attention_tpu as kernel
+
+    for module, flag, name, default in ((llama, "lora_slices", "LORA_SLICES", "inside"),
+                                        (llama, "lora_cond", "LORA_COND", "pass"),
+                                        (kernel, "attn_seqs_per_program", "SEQS_PER_PROGRAM", 1)):
+        if hasattr(module, name):  # (an older jlora has no choice)
+            setattr(module, name, getattr(args, flag))
         elif getattr(args, flag) != default:
             raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: this jlora has no {name}")
 
@@ -844,6 +848,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                attn_impl=getattr(runner, "attn_impl", "xla (before)"),
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
                lora_impl=args.lora_impl, lora_slices=args.lora_slices, lora_cond=args.lora_cond,
+               attn_seqs_per_program=args.attn_seqs_per_program,
                base_graphs=getattr(llm.config, "base_graphs", None), max_num_seqs=n,
                block_size=llm.config.block_size,
                num_kv_blocks=llm.config.num_kv_blocks,
@@ -1379,6 +1384,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-cond", default="pass", choices=["pass", "inside"],
                    help="engine and layers: the base projection before the LoRA conditional (pass) or inside its "
                         "branches (jlora.models.llama.LORA_COND; an experiment)")
+    p.add_argument("--attn-seqs-per-program", type=int, default=1,
+                   help="engine: decode sequences a program of the Pallas attention kernel walks "
+                        "(jlora.kernels.paged_attention_tpu.SEQS_PER_PROGRAM; an experiment)")
     p.add_argument("--base-graphs", default=None, choices=["none", "decode", "all"],
                    help="engine: step shapes that also get a graph without LoRA (default: the engine's)")
     p.add_argument("--prefill-slack", default=None,

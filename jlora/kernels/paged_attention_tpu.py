@@ -73,6 +73,8 @@ DEFAULT_SCOPED_VMEM = 16 * 2**20  # Mosaic's scoped VMEM limit on a v5e unless v
 # Chunks of at most this many pages issue their DMAs as straight-line code (pl.when per page);
 # longer ones loop.
 UNROLL_PAGES = 16
+# Decode sequences a program walks (`seqs_per_program=None`); read at trace time. An experiment.
+SEQS_PER_PROGRAM = 1
 # Programs with at most this many query rows (decode: a query's heads) compute a chunk in steps.
 SMALL_PROGRAM_ROWS = 64
 
@@ -300,8 +302,9 @@ def paged_attention_tpu(
     bounds_checks: bool = True,
     sub_block: int | None = None,  # positions a skippable compute step covers (None: `compute_block`)
     # Decode (one query block a sequence): sequences a program walks one after the other, the
-    # largest divisor of B up to this (an experiment: fewer, longer programs at short contexts).
-    seqs_per_program: int = 1,
+    # largest divisor of B up to this (an experiment: fewer, longer programs at short contexts;
+    # None: SEQS_PER_PROGRAM, which `jlora bench tpu --attn-seqs-per-program` sets for an engine).
+    seqs_per_program: int | None = None,
 ) -> jax.Array:  # f32[B, Q, H, Dh], zeros for a padded query
     validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window)
     if cache_k.dtype == jnp.uint16:
@@ -348,6 +351,8 @@ def paged_attention_tpu(
     if sub <= 0 or chunk % sub or (sub % bs and bs % sub):
         raise ValueError(f"sub_block must divide the chunk {chunk} and be a multiple or a divisor of the block "
                          f"size {bs}; got {sub}")
+    if seqs_per_program is None:
+        seqs_per_program = SEQS_PER_PROGRAM
     if seqs_per_program < 1:
         raise ValueError(f"seqs_per_program must be >= 1; got {seqs_per_program}")
     seqs = 1 if nqb > 1 else max(d for d in range(1, min(seqs_per_program, bsz) + 1) if bsz % d == 0)
