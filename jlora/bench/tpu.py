@@ -307,7 +307,8 @@ def parse_kernel_variants(spec: str) -> list[tuple[int, int, dict[str, Any]]]:
                 else:
                     raise ValueError(f)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: want BSxCHUNK[+nobc][+vmemN][+subN][+seqsN], e.g. 128x1024+nobc+vmem64")
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: want BSxCHUNK[+nobc][+vmemN][+subN][+seqsN], e.g. 128x1024+nobc+vmem64")
         out.append((bs, chunk, opts))
     return out
 
@@ -734,9 +735,8 @@ def engine_sizes(args: argparse.Namespace) -> dict[str, Any]:
 def apply_model_switches(args: argparse.Namespace) -> None:
     """The model's trace-time experiment switches (`--lora-slices`, `--lora-cond`,
     `--attn-seqs-per-program`), for the engine and layers sections."""
-    from jlora.models import llama
-
     from jlora.kernels import paged_attention_tpu as kernel
+    from jlora.models import llama
 
     for module, flag, name, default in ((llama, "lora_slices", "LORA_SLICES", "inside"),
                                         (llama, "lora_cond", "LORA_COND", "pass"),
