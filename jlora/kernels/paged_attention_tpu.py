@@ -133,7 +133,7 @@ def query_block(nq: int, rows_per_query: int, sublanes: int, chunk: int = 0, kd:
 
 def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, window), [B*MB], [B*NQB] x3
             qpos_ref, q_ref, k_hbm, v_hbm,  # [(S,) rows, 1] i32, [(S,) NT, rows, LT], cache [L, NB, bs, KD] x2 in HBM
-            o_ref,  # f32[(S,) NT, rows, LT]
+            o_ref,  # [(S,) NT, rows, LT], f32 or q's dtype
             kbuf, vbuf, sems, m_ref, l_ref, acc_ref,  # VMEM [2, P, bs, KD] x2, DMA sems [2, 2], [NT, rows, 1] x2, [NT, rows, LT]
             state_ref,  # SMEM i32[2]: the buffer slot of this program's first chunk, whether it is already in flight
             *, pages: int, sub: int, seqs: int, blocks_per_seq: int, n_qblocks: int, n_programs: int, lane_tile: int,
@@ -269,7 +269,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
         state_ref[0] = jnp.where(lo < hi, 1 - jax.lax.rem(slot0 + hi - lo - 1, 2), 0)
         state_ref[1] = jnp.where(lo < hi, prefetch_next.astype(jnp.int32), 0)
         l = l_ref[...]
-        o_view[...] = acc_ref[...] / jnp.where(l > 0, l, 1.0)
+        o_view[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_view.dtype)
 
     b, i = pl.program_id(0), pl.program_id(1)
     if seqs == 1:
@@ -305,7 +305,7 @@ def paged_attention_tpu(
     # largest divisor of B up to this (an experiment: fewer, longer programs at short contexts;
     # None: SEQS_PER_PROGRAM, which `jlora bench tpu --attn-seqs-per-program` sets for an engine).
     seqs_per_program: int | None = None,
-) -> jax.Array:  # f32[B, Q, H, Dh], zeros for a padded query
+) -> jax.Array:  # [B, Q, H, Dh] in q's dtype, zeros for a padded query
     validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window)
     if cache_k.dtype == jnp.uint16:
         raise ValueError("paged_attention_tpu reads real float caches; uint16 (bf16 bits) is XLA:CPU's storage, "
@@ -359,9 +359,13 @@ def paged_attention_tpu(
     kernel = partial(_kernel, pages=pages, sub=sub, seqs=seqs, blocks_per_seq=mb, n_qblocks=nqb,
                      n_programs=bsz * nqb, lane_tile=lt, n_tiles=nt)
     lead = None if seqs == 1 else seqs  # a squeezed sequence axis, or S sequences a block
+    # Rows are written in q's dtype where they fill its sublane tiles (a prefill block: a bf16
+    # step writes and reads back half the bytes of f32, 8 MB a layer at 1,024 tokens), else in f32
+    # (a decode program's 8 rows), cast with the lane select below.
+    odt = q.dtype if rows % (32 // jnp.dtype(q.dtype).itemsize) == 0 else jnp.float32
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((bsz, nt, nq * rq, lt), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((bsz, nt, nq * rq, lt), odt),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(bsz // seqs, nqb),
@@ -389,6 +393,6 @@ def paged_attention_tpu(
 
     # Keep each row's own head's lanes, then back to [B, Q, H, Dh].
     if hpt > 1:
-        out = sum(jnp.where(head == j, out[..., j * dh:(j + 1) * dh], 0.0) for j in range(hpt))
-    out = out.reshape(bsz, nt, nq, hpt * g, dh).transpose(0, 2, 1, 3, 4)
+        out = sum(jnp.where(head == j, out[..., j * dh:(j + 1) * dh], jnp.zeros((), odt)) for j in range(hpt))
+    out = out.astype(q.dtype).reshape(bsz, nt, nq, hpt * g, dh).transpose(0, 2, 1, 3, 4)
     return out.reshape(bsz, nq, h, dh)
