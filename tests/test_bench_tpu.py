@@ -180,6 +180,9 @@ def test_model_switches_reach_the_model(monkeypatch):
     tpu.apply_model_switches(tpu.parse_args(["--lora-slices", "before", "--lora-cond", "inside",
                                              "--attn-seqs-per-program", "8"]))
     assert (llama.LORA_SLICES, llama.LORA_COND, kernel.SEQS_PER_PROGRAM) == ("before", "inside", 8)
+    tpu.apply_model_switches(tpu.parse_args([]))  # the defaults: LORA_COND resolved per backend
+    assert (llama.LORA_SLICES, llama.LORA_COND, kernel.SEQS_PER_PROGRAM) == ("inside", None, 1)
+    assert llama.lora_cond() == "pass" and tpu.resolved_lora_cond() == "pass"  # (XLA:CPU)
     with pytest.raises(SystemExit):
         tpu.parse_args(["--lora-cond", "outside"])
 

@@ -188,3 +188,15 @@ def test_where_lora_is_sliced_or_skipped_changes_nothing(monkeypatch):
     first = got["inside"]
     assert not np.allclose(first[0], first[1])  # the slots are read
     np.testing.assert_array_equal(first[2][:4], first[0][:4])  # a row without an adapter reads none
+
+    # int8 weights (QArrays): "inside" slices each layer's int8 rows and scales inside the branches
+    from jlora.models import quant
+
+    m = quant.quantize_model(m, "int8-weight-only")
+    q = {}
+    for cond in ("pass", "inside"):
+        monkeypatch.setattr(llama, "LORA_COND", cond)
+        q[cond] = [logits(ids) for ids in ([-1, -1], [0, 1])]
+    for a, b in zip(q["pass"], q["inside"]):  # (XLA:CPU fuses the dequantizing multiply differently
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)  # inside a branch: float rounding only)
+    assert not np.allclose(q["inside"][0], first[0])  # the int8 weights are the ones read

@@ -427,7 +427,7 @@ def bench_layers(cfg: dict[str, Any], tokens: tuple[int, ...] = (1, 64, 1088), r
             t0 = time.perf_counter()
             run(state, lora, ids, x0).block_until_ready()
             us = (time.perf_counter() - t0) / reps * 1e6
-            row = dict(tokens=t, lora=what, cond=cond, lora_cond=getattr(llama, "LORA_COND", "pass"), us=us,
+            row = dict(tokens=t, lora=what, cond=cond, lora_cond=resolved_lora_cond(), us=us,
                        matmul_fraction_of_hbm=matmul_bytes / (us * 1e-6) / HBM_BYTES_PER_S,
                        matmul_fraction_of_mxu=2 * _matmul_params(c) * t / (us * 1e-6) / MXU_FLOPS)
             out.append(row)
@@ -739,12 +739,20 @@ def apply_model_switches(args: argparse.Namespace) -> None:
     from jlora.models import llama
 
     for module, flag, name, default in ((llama, "lora_slices", "LORA_SLICES", "inside"),
-                                        (llama, "lora_cond", "LORA_COND", "pass"),
+                                        (llama, "lora_cond", "LORA_COND", "auto"),
                                         (kernel, "attn_seqs_per_program", "SEQS_PER_PROGRAM", 1)):
         if hasattr(module, name):  # (an older jlora has no choice)
-            setattr(module, name, getattr(args, flag))
+            value = getattr(args, flag)
+            setattr(module, name, None if value == "auto" else value)
         elif getattr(args, flag) != default:
             raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: this jlora has no {name}")
+
+
+def resolved_lora_cond() -> str:
+    """The LoRA conditional's form the model traces with here (an older jlora: "pass")."""
+    from jlora.models import llama
+
+    return llama.lora_cond() if hasattr(llama, "lora_cond") else getattr(llama, "LORA_COND", "pass")
 
 
 def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_impl: str | None = None) -> Any:
@@ -847,7 +855,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                weights_cache_hit=getattr(llm, "weights_cache_hit", None),
                attn_impl=getattr(runner, "attn_impl", "xla (before)"),
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
-               lora_impl=args.lora_impl, lora_slices=args.lora_slices, lora_cond=args.lora_cond,
+               lora_impl=args.lora_impl, lora_slices=args.lora_slices, lora_cond=resolved_lora_cond(),
                attn_seqs_per_program=args.attn_seqs_per_program,
                base_graphs=getattr(llm.config, "base_graphs", None), max_num_seqs=n,
                block_size=llm.config.block_size,
@@ -1381,9 +1389,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-slices", default="inside", choices=["inside", "before"],
                    help="engine: where a layer's LoRA slots are sliced, inside the conditional or before it "
                         "(jlora.models.llama.LORA_SLICES; an experiment)")
-    p.add_argument("--lora-cond", default="pass", choices=["pass", "inside"],
+    p.add_argument("--lora-cond", default="auto", choices=["auto", "pass", "inside"],
                    help="engine and layers: the base projection before the LoRA conditional (pass) or inside its "
-                        "branches (jlora.models.llama.LORA_COND; an experiment)")
+                        "branches (jlora.models.llama.LORA_COND; auto: inside on a TPU, pass elsewhere)")
     p.add_argument("--attn-seqs-per-program", type=int, default=1,
                    help="engine: decode sequences a program of the Pallas attention kernel walks "
                         "(jlora.kernels.paged_attention_tpu.SEQS_PER_PROGRAM; an experiment)")

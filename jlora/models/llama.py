@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -107,14 +107,28 @@ LORA_SLICES = "inside"
 # base projection before it and passes it through the branch without adapters; "inside" computes
 # the base projection inside both branches, so no [T, out] array passes through. XLA:TPU copies a
 # conditional's pass-through operand into its output buffer (the sampler's logits cost 0.26 ms a
-# step so; docs/tpu.md, sixth pass), but a weight read inside a branch may fuse differently: for
-# the chip to say (`jlora bench tpu --lora-cond`); read at trace time.
-LORA_COND = "pass"
+# step so; docs/tpu.md, sixth pass). With "inside" each branch slices the layer's weight from the
+# stacked [L, ...] weights itself: a slice made outside is passed into the conditional whole, and
+# XLA:TPU then writes it out (a copy of gate_up's 67 MB a layer in a compile for v5e). On a v5e chip
+# "inside" made 1,024-token prefill steps 47% / 44% of the MXU without / with 4 adapters against
+# 46% / 41% (docs/tpu.md, seventh pass). None: "inside" on a TPU, "pass" elsewhere (XLA:CPU was not
+# measured with it). `jlora bench tpu --lora-cond` sets it; read at trace time.
+LORA_COND: str | None = None
+
+
+def lora_cond() -> str:
+    """LORA_COND, resolved for this backend."""
+    return LORA_COND or ("inside" if jax.default_backend() == "tpu" else "pass")
+
+
+def layer_weight(stacked: Any, layer: jax.Array) -> Any:  # [L, ...] (arrays or QArrays) -> [...]
+    return quant.widen(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), stacked))
 
 
 def lora_linear(
     x: jax.Array,  # [T, in]
-    kernel: jax.Array | quant.QArray,  # [in, out], float or int8
+    kernel: jax.Array | quant.QArray | Callable[[], jax.Array | quant.QArray],  # [in, out], float or int8;
+    #   a function returning it: read where the projection is computed (inside LORA_COND's branches)
     lora: dict[str, jax.Array] | tuple[dict[str, jax.Array], ...] | None,  # {"A": [N, in, R], "B": [N, R, out]}
     #   ([L, ...] with `layer`); a tuple of them for slot pools of several ranks; or None
     slot_ids: jax.Array,  # i32[T]
@@ -123,8 +137,9 @@ def lora_linear(
     layer: jax.Array | None = None,  # i32 scalar: which layer of stacked [L, N, ...] slots to use
     splits: tuple[int, ...] | None = None,  # packed module: out widths of its sub-modules (A is [.., in, S*R])
 ) -> jax.Array:  # [T, out]
+    weight = kernel if callable(kernel) else lambda: kernel
     if lora is None:
-        return quant.linear(x, kernel)
+        return quant.linear(x, weight())
     pools = lora if isinstance(lora, tuple) else (lora,)
     if layer is not None and LORA_SLICES == "before":
         pools = tuple({k: jax.lax.dynamic_index_in_dim(v, layer, 0, keepdims=False) for k, v in p.items()}
@@ -146,9 +161,9 @@ def lora_linear(
             first += n
         return out
 
-    if enabled is not None and LORA_COND == "inside":
-        return jax.lax.cond(enabled, lambda: with_delta(quant.linear(x, kernel)), lambda: quant.linear(x, kernel))
-    y = quant.linear(x, kernel)
+    if enabled is not None and lora_cond() == "inside":
+        return jax.lax.cond(enabled, lambda: with_delta(quant.linear(x, weight())), lambda: quant.linear(x, weight()))
+    y = quant.linear(x, weight())
     return with_delta(y) if enabled is None else jax.lax.cond(enabled, lambda: with_delta(y), lambda: y)
 
 
@@ -372,6 +387,11 @@ class Llama(nnx.Module):
         if cfg.has_sliding_window:
             windows = jnp.asarray([w or np.iinfo(np.int32).max // 2 for w in cfg.sliding_windows], jnp.int32)
 
+        weights = quant.to_bits(self.layers.weights())
+        # LORA_COND "inside": the projections under a LoRA conditional slice their weights inside its
+        # branches (layer_weight); the scan slices the rest.
+        in_branch = set(pools[0]) if lora is not None and any_lora is not None and lora_cond() == "inside" else set()
+
         def layer(carry, xs):
             x, state = carry
             w, i = xs
@@ -379,7 +399,8 @@ class Llama(nnx.Module):
             w = quant.widen(w)  # this layer's bf16 weights, sliced as bits, to f32 on XLA:CPU
 
             def linear(h: jax.Array, name: str) -> jax.Array:
-                return lora_linear(h, w[name], get(name), slot_ids, lora_impl, enabled=any_lora, layer=i,
+                kernel = (lambda: layer_weight(weights[name], i)) if name in in_branch else w[name]
+                return lora_linear(h, kernel, get(name), slot_ids, lora_impl, enabled=any_lora, layer=i,
                                    splits=splits[name])
 
             y = rms_norm(x, w["input_layernorm"], eps)
@@ -399,7 +420,7 @@ class Llama(nnx.Module):
             x = x + linear(jax.nn.silu(gate) * up, "down_proj")
             return (x, state), None
 
-        xs = (quant.to_bits(self.layers.weights()), jnp.arange(cfg.num_hidden_layers))
+        xs = ({k: v for k, v in weights.items() if k not in in_branch}, jnp.arange(cfg.num_hidden_layers))
         (x, state), _ = jax.lax.scan(layer, (x, state), xs)
         return x, state
 
