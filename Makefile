@@ -19,6 +19,11 @@ $(VENV)/.installed: pyproject.toml
 $(VENV)/.installed-test: $(VENV)/.installed
 	# torch is pinned to the CPU build; it is a test-only dependency.
 	$(PIP) install -q -e '.[test]'
+	# libtpu, the version JAX pins, kept off the default path (.venv/libtpu): `jlora.bench.tpu_compile`
+	# compiles the step graphs for a TPU v5e on this machine; importable everywhere, it would make
+	# every JAX process look for a TPU first.
+	$(PIP) install -q --no-deps --target $(VENV)/libtpu \
+		"$$($(PY) -c "import importlib.metadata as m; print(next(r.split(';')[0] for r in m.requires('jax') if r.startswith('libtpu')))")"
 	touch $@
 
 install: $(VENV)/.installed

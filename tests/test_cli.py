@@ -188,6 +188,7 @@ def test_verbose_prints_timings(capsys, monkeypatch):
     (["bench", "adapter-load", "--ranks", "8"], "adapter_load", ["--ranks", "8"]),
     (["bench", "parallel", "--sizes", "1x1,3x1"], "parallel", ["--sizes", "1x1,3x1"]),
     (["bench", "prefix", "--requests", "8"], "prefix", ["--requests", "8"]),
+    (["bench", "tpu-compile", "--shape", "tiny"], "tpu_compile", ["--shape", "tiny"]),
 ])
 def test_bench_dispatch_reaches_each_benchmark(monkeypatch, argv, module, rest):
     import importlib
@@ -196,7 +197,7 @@ def test_bench_dispatch_reaches_each_benchmark(monkeypatch, argv, module, rest):
 
     assert sorted(jlora.bench.BENCHMARKS.values()) == sorted(
         ["workload", "start", "kernels", "serve", "adapters", "lora_cost", "decode_step", "adapter_load",
-         "parallel", "tpu", "prefix"])
+         "parallel", "tpu", "tpu_compile", "prefix"])
     seen = []
     for name in jlora.bench.BENCHMARKS.values():
         mod = importlib.import_module(f"jlora.bench.{name}")
