@@ -20,8 +20,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jlora.kernels.attention import paged_attention_reference
 from jlora.engine.runner import whole_cache_copies
-from jlora.kernels.paged_attention_tpu import (UNROLL_PAGES, VMEM_BUDGET, compute_block, default_chunk, lane_tiles,
-                                               paged_attention_tpu, query_block, vmem_estimate)
+from jlora.kernels.paged_attention_tpu import (UNROLL_PAGES, VMEM_BUDGET, cache_lanes, compute_block, default_chunk,
+                                               lane_tiles, paged_attention_tpu, query_block, vmem_estimate)
 
 
 def make_case(h: int, kvh: int, dh: int, bs: int, nq: int, max_len: int = 384, layers: int = 2, seed: int = 0,
@@ -223,6 +223,31 @@ def test_engine_with_the_kernel_equals_the_xla_loop(tiny_dir, tiny_adapters):
         LLM(str(tiny_dir[0]), attn_impl="flash", **engine)
     with pytest.raises(ValueError, match="attn_impl='pallas' needs one device and a float KV cache"):
         LLM(str(tiny_dir[0]), attn_impl="pallas", dtype="bfloat16", **engine)
+
+
+@pytest.mark.parametrize("h,kvh,dh,nq", [(9, 3, 64, 1), (9, 3, 64, 4), (4, 2, 16, 1)])
+def test_padded_cache_rows_read_as_the_unpadded(h, kvh, dh, nq):
+    """A cache row widened to whole 128-lane tiles (`cache_lanes`: SmolLM2's 192 lanes -> 256, the
+    tiny model's 32 -> 128): the kernel told the real KV heads reads what it reads from the
+    unpadded cache. The pad lanes hold large values: a real head reading them would show."""
+    q, k, v, positions, tables = make_case(h, kvh, dh, 16, nq, seed=7 + nq)
+    lanes = cache_lanes(kvh, dh)
+    assert lanes == -(-kvh * dh // 128) * 128
+    junk = np.random.default_rng(1).uniform(50, 100, (lanes,)).astype(np.float32)
+    pad = lambda c: np.concatenate([c, np.broadcast_to(junk[c.shape[-1]:], c.shape[:-1] + (lanes - c.shape[-1],))], -1)
+    got = paged_attention_tpu(q, pad(k), pad(v), jnp.int32(1), positions, tables, chunk=64, interpret=True,
+                              kv_heads=kvh)
+    want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
+    assert got.shape == q.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="does not fit a cache row"):
+        paged_attention_tpu(q, pad(k), pad(v), jnp.int32(1), positions, tables, chunk=64, interpret=True,
+                            kv_heads=lanes // dh + 1)
+
+
+def test_cache_lanes_round_up_to_whole_tiles_only_where_heads_fit():
+    assert [cache_lanes(kvh, dh) for kvh, dh in ((8, 64), (3, 64), (2, 16), (8, 128), (3, 96), (1, 64))] == [
+        512, 256, 128, 1024, 288, 128]
 
 
 def test_whole_cache_copy_detector():

@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run([sys.executable, "-m", "jlora.bench.tpu_compile", *argv], env=child_env()).returncode
     p = argparse.ArgumentParser(prog="jlora bench tpu-compile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="tiny", help="a shape of `jlora bench tpu` (tiny, smollm2-135m, llama-3.2-1b, ...)")
+    p.add_argument("--shape", default="tiny",
+                   help="a shape of `jlora bench tpu` (tiny, smollm2-135m, llama-3.2-1b, ...)")
     p.add_argument("--shape-overrides", default=None, help='JSON of config fields over the shape\'s, e.g. '
                    '\'{"num_key_value_heads": 4}\'')
     p.add_argument("--dir", default=None, help="where the random checkpoint goes (default: a temporary folder)")
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             cond = llama.lora_cond()
         rows = compile_step_graphs(llm, device, set(args.graphs.split(",")) if args.graphs else None,
                                    Path(args.hlo_dir) if args.hlo_dir else None)
-    report = dict(jax=jax.__version__, device=str(device), shape=shape, config=SHAPES[shape], lora_cond=cond, graphs=rows)
+    report = dict(jax=jax.__version__, device=str(device), shape=shape, config=SHAPES[shape], lora_cond=cond,
+                  cache_shape=list(llm.engine.runner.cache["k"].shape), graphs=rows)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

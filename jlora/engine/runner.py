@@ -32,7 +32,7 @@ from jlora import compile_stats
 from jlora.adapters.manager import LoRASlots, SlotWrite
 from jlora.engine.config import EngineConfig
 from jlora.engine.structured import fill_mask
-from jlora.kernels.paged_attention_tpu import default_chunk
+from jlora.kernels.paged_attention_tpu import cache_lanes, default_chunk
 from jlora.models import quant
 from jlora.models.llama import AttnGroup, Llama, init_cache
 from jlora.models.tensor_parallel import CACHE_SPEC, TensorParallel, fetch, layout_model, weight_spec
@@ -202,6 +202,9 @@ class ModelRunner:
         self._weights = [self._place(path, w) for path, w in leaves]
         self.state = jax.tree.unflatten(self._weights_def, self._weights)
         self.kv_dtype = model.dtype
+        self.attn_impl = resolve_attn_impl(config.attn_impl, self.tp.size, self.kv_dtype)
+        kvh, dh = self.layout_cfg.num_key_value_heads, self.layout_cfg.head_dim
+        self.cache_lanes = cache_lanes(kvh, dh) if self.attn_impl == "pallas" else kvh * dh  # a cache row
         self.cache = self._zero_cache()
         self.lora = LoRASlots(self.cfg, config.max_loras, config.max_lora_rank, model.dtype, tp=self.tp,
                               slot_ranks=config.slot_ranks)
@@ -209,10 +212,8 @@ class ModelRunner:
         if self.tp.size > 1 or jax.process_count() > 1:  # outputs replicated; the cache keeps its sharding
             shardings = dict(out_shardings=(self.tp.replicated, self.tp.replicated,
                                             {k: x.sharding for k, x in self.cache.items()}))
-        self.attn_impl = resolve_attn_impl(config.attn_impl, self.tp.size, self.kv_dtype)
-        kd = self.layout_cfg.num_key_value_heads * self.layout_cfg.head_dim  # a cache row's lanes
         self.attn_chunk = config.attn_chunk or (
-            default_chunk(kd, jnp.dtype(self.kv_dtype).itemsize) if self.attn_impl == "pallas" else 128)
+            default_chunk(self.cache_lanes, jnp.dtype(self.kv_dtype).itemsize) if self.attn_impl == "pallas" else 128)
         self._step = jax.jit(self._step_impl, static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl",
                                                                "lora_skip"),
                              donate_argnames=("cache",),
@@ -237,9 +238,11 @@ class ModelRunner:
         return self.tp.put(w, weight_spec(name, w.shape, w.dtype == jnp.int8, self.tp.size))
 
     def _zero_cache(self) -> dict[str, jax.Array]:
-        """A zeroed KV cache [L, NB, bs, KVH*Dh], sharded over its KV heads."""
+        """A zeroed KV cache [L, NB, bs, KVH*Dh] (rows padded for the TPU kernel: `cache_lanes`), sharded
+        over its KV heads."""
         return init_cache(self.layout_cfg, self.config.num_kv_blocks, self.config.block_size,
-                          quant.storage_dtype(self.kv_dtype), zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
+                          quant.storage_dtype(self.kv_dtype), lanes=self.cache_lanes,
+                          zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
 
     def _step_impl(self, weights, lora_state, cache, ints, floats, history, allowed, prev_tokens, *, layout, lora_impl,
                    attn_chunk, attn_impl, lora_skip=True):

@@ -97,6 +97,16 @@ def lane_tiles(kvh: int, dh: int) -> tuple[int, int]:
     return kvh * dh, kvh
 
 
+def cache_lanes(kvh: int, dh: int) -> int:
+    """Lanes of a cache row this kernel reads: KVH*Dh, rounded up to whole 128-lane tiles where Dh
+    divides 128. SmolLM2's 3 KV heads of 64 (192 lanes) become 256, 4 heads of which the last is
+    padding: in a compile for v5e (`jlora bench tpu-compile`) XLA:TPU copied the whole 192-lane
+    cache into another layout around the step, and the TPU stores a row in 128-lane tiles anyway,
+    so the padding costs no memory there."""
+    kd = kvh * dh
+    return kd if kd % 128 == 0 or 128 % dh else -(-kd // 128) * 128
+
+
 def compute_block(chunk: int, bs: int, rows: int) -> int:
     """Key positions per compute step of a program with `rows` query rows: a decode program (at
     most SMALL_PROGRAM_ROWS rows) computes a chunk in steps of at least 128 positions (whole
@@ -283,7 +293,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
 
 
 @partial(jax.jit, static_argnames=("chunk", "interpret", "vmem_limit", "bounds_checks", "sub_block",
-                                   "seqs_per_program"))
+                                   "seqs_per_program", "kv_heads"))
 def paged_attention_tpu(
     q: jax.Array,  # [B, Q, H, Dh]
     cache_k: jax.Array,  # [L, NB, bs, KVH*Dh], float32 / bfloat16 / float16
@@ -305,7 +315,17 @@ def paged_attention_tpu(
     # largest divisor of B up to this (an experiment: fewer, longer programs at short contexts;
     # None: SEQS_PER_PROGRAM, which `jlora bench tpu --attn-seqs-per-program` sets for an engine).
     seqs_per_program: int | None = None,
+    kv_heads: int | None = None,  # the model's KV heads where the cache row is padded (`cache_lanes`)
 ) -> jax.Array:  # [B, Q, H, Dh] in q's dtype, zeros for a padded query
+    h_out = q.shape[2]
+    if kv_heads is not None and kv_heads * q.shape[3] != cache_k.shape[-1]:
+        # The pad lanes are KV heads no query reads: q gets their query heads as zeros, their
+        # outputs are dropped.
+        dh, kd = q.shape[3], cache_k.shape[-1]
+        if kd % dh or kv_heads * dh > kd or h_out % kv_heads:
+            raise ValueError(f"kv_heads={kv_heads} of {dh} lanes does not fit a cache row of {kd} lanes "
+                             f"with q's {h_out} heads")
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, (kd // dh - kv_heads) * (h_out // kv_heads)), (0, 0)))
     validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window)
     if cache_k.dtype == jnp.uint16:
         raise ValueError("paged_attention_tpu reads real float caches; uint16 (bf16 bits) is XLA:CPU's storage, "
@@ -395,4 +415,4 @@ def paged_attention_tpu(
     if hpt > 1:
         out = sum(jnp.where(head == j, out[..., j * dh:(j + 1) * dh], jnp.zeros((), odt)) for j in range(hpt))
     out = out.astype(q.dtype).reshape(bsz, nt, nq, hpt * g, dh).transpose(0, 2, 1, 3, 4)
-    return out.reshape(bsz, nq, h, dh)
+    return out.reshape(bsz, nq, h, dh)[:, :, :h_out]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -275,8 +276,10 @@ class Llama(nnx.Module):
         """The serving step's forward: keys and values go to the paged cache, attention reads it."""
         if attn_impl not in ("xla", "pallas"):
             raise ValueError(f"attn_impl must be 'xla' or 'pallas' here, got {attn_impl!r}")
-        attention = paged_attention if attn_impl == "xla" else paged_attention_tpu
         cfg = self.cfg
+        # (The kernel's cache rows may end in padding lanes: `cache_lanes`.)
+        attention = paged_attention if attn_impl == "xla" else partial(paged_attention_tpu,
+                                                                       kv_heads=cfg.num_key_value_heads)
         h, dh = cfg.num_attention_heads, cfg.head_dim
         num_blocks, bs = cache["k"].shape[1:3]
         chunk = max(bs, attn_chunk // bs * bs)
@@ -297,6 +300,8 @@ class Llama(nnx.Module):
 
         def write(c, i, x):  # x [T, KVH, Dh] -> c with every group's tokens written
             x = quant.narrow(x.reshape(x.shape[0], -1), c)  # one row of KVH*Dh per token
+            if x.shape[1] < c.shape[-1]:  # the kernel's padded cache rows (cache_lanes): zeros there
+                x = jnp.pad(x, ((0, 0), (0, c.shape[-1] - x.shape[1])))
             for lo, hi, where in writes:
                 if len(where) == 2:  # (block, offset) of each token
                     c = c.at[i, where[0], where[1]].set(x[lo:hi], mode="drop")
@@ -461,10 +466,11 @@ def host_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 
 def init_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32,
-               zeros: Any = jnp.zeros) -> KVCache:
+               zeros: Any = jnp.zeros, lanes: int | None = None) -> KVCache:
     """Zeroed KV cache {"k", "v": [L, NB, bs, KVH*Dh]}; `init_cache(cfg, batch, max_len)` is one
-    region (block) per sequence, what a direct model call without block tables reads."""
-    shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads * cfg.head_dim)
+    region (block) per sequence, what a direct model call without block tables reads. `lanes`: a
+    wider row, zeros past KVH*Dh (the TPU kernel's `cache_lanes`)."""
+    shape = (cfg.num_hidden_layers, num_blocks, block_size, lanes or cfg.num_key_value_heads * cfg.head_dim)
     return {"k": zeros(shape, dtype), "v": zeros(shape, dtype)}
 
 
