@@ -52,6 +52,7 @@ against the reference); `jax.export` lowers it for platforms=["tpu"] without the
 
 from __future__ import annotations
 
+import functools
 import math
 from functools import partial
 
@@ -351,8 +352,11 @@ def paged_attention_tpu(
     rows_q = (q.astype(jnp.float32) / math.sqrt(dh)).astype(cdt).reshape(bsz, nq, nt, hpt * g, dh)
     rows_q = rows_q.transpose(0, 2, 1, 3, 4).reshape(bsz, nt, nq * rq, dh)  # rows (query, head, group)
     head = (jnp.arange(nq * rq, dtype=jnp.int32) // g % hpt)[:, None]  # each row's head within its tile
-    qt = rows_q if hpt == 1 else jnp.concatenate(
-        [jnp.where(head == j, rows_q, jnp.zeros((), cdt)) for j in range(hpt)], axis=-1)
+    # One select of lane-shifted copies (pads fuse into it): a concatenation of per-head selects
+    # was two passes over [.., LT] in a v5e compile.
+    shifted = [jnp.pad(rows_q, ((0, 0), (0, 0), (0, 0), (j * dh, (hpt - 1 - j) * dh))) for j in range(hpt)]
+    qt = rows_q if hpt == 1 else functools.reduce(lambda acc, j: jnp.where(head == j, shifted[j], acc),
+                                                  range(1, hpt), shifted[0])
     qpos = jnp.broadcast_to(positions.astype(jnp.int32)[:, :, None], (bsz, nq, rq)).reshape(bsz, nq * rq, 1)
 
     # The key chunks each program visits: up to its furthest query, from the first its window shows.
