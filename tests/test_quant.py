@@ -370,6 +370,7 @@ def test_quantized_serving_step_lowers_for_tpu(tmp_path, monkeypatch, quantizati
     from jlora import LLM
     from jlora.bench import tpu
     from jlora.engine.runner import pack_batch
+    from jlora.models import llama
 
     monkeypatch.setitem(tpu.SHAPES, "tpu-lowering", dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
@@ -396,8 +397,10 @@ def test_quantized_serving_step_lowers_for_tpu(tmp_path, monkeypatch, quantizati
             assert "tpu_custom_call" in text  # the attention kernel, lowered by Mosaic
             dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
             int8 = [ln for ln in dots if re.search(r"\(tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>", ln)]
-            # 4 projections in the layer scan + the lm head (+ the prompt-logprob head in a prefill step).
-            assert len(int8) == (0 if quantization == "int8-weight-only" else 5 + (shape[1] > 0)), (shape, int8)
+            # 4 projections in the layer scan, each in both branches of its LoRA conditional (the TPU's
+            # LORA_COND "inside"), + the lm head (+ the prompt-logprob head in a prefill step).
+            assert llama.lora_cond() == "inside"
+            assert len(int8) == (0 if quantization == "int8-weight-only" else 9 + (shape[1] > 0)), (shape, int8)
             if quantization == "int8-weight-only":  # the head [512, 256] widened in the dot, not chunk by chunk in f32
                 assert any(re.search(r"tensor<512x256xbf16>\) -> tensor<[0-9x]+x512xf32>", ln) for ln in dots), shape
                 assert not any("tensor<512x256xf32>" in ln for ln in dots), shape
