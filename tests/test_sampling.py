@@ -12,6 +12,21 @@ from jlora.sampling import (MAX_LOGPROBS, SamplingParams, SamplingRow, _apply_pe
                             build_sampling_batch, empty_sampling_batch, fill_sampling_row, sample)
 
 
+def _reference_filter_mask(scaled, top_k, top_p, min_p):
+    """`_filter_mask` as it was: argsort, the sorted prefix kept, scattered back to vocabulary order."""
+    b, v = scaled.shape
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(v)[None, :]
+    keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, v))
+    return jnp.zeros((b, v), bool).at[rows, order].set(keep)
+
+
 @jax.jit
 def _reference_sample(logits, batch):
     """`sample` as it was before its outer switch (one cond per feature, each returning the [B, V]
@@ -56,7 +71,7 @@ def _reference_sample(logits, batch):
 
     def filtered():
         x = scaled()
-        keep = _filter_mask(x, batch["top_k"], batch["top_p"], batch["min_p"])
+        keep = _reference_filter_mask(x, batch["top_k"], batch["top_p"], batch["min_p"])
         return jax.vmap(jax.random.categorical)(keys, jnp.where(keep, x, -jnp.inf)).astype(jnp.int32)
 
     needs_filter = jnp.any(is_sampled & ((batch["top_k"] > 0) | (batch["top_p"] < 1.0) | (batch["min_p"] > 0.0)))
@@ -243,3 +258,20 @@ def test_greedy_path_has_no_conditional_passing_the_logits_through():
     old = _greedy_path_hlo_bv_ops(_reference_sample)
     assert any(" conditional(" in op for op in old) and any(" copy(" in op for op in old), old
     assert _greedy_path_hlo_bv_ops(sample) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_filter_mask_equals_the_sort_and_scatter(seed):
+    """Top-k, top-p and min-p kept in vocabulary order without a scatter: the same tokens as the
+    sorted prefix scattered back, with ties at the cut (rounded logits), -inf rows and all-kept rows."""
+    rng = np.random.default_rng(seed)
+    x = np.round(rng.standard_normal((32, 257)) * (2 if seed % 2 else 6)).astype(np.float32)
+    x[0, :100] = -np.inf
+    x[1] = 1.5  # every logit tied
+    top_k = rng.choice([0, 1, 3, 40, 300], 32).astype(np.int32)
+    top_p = rng.choice([1.0, 0.9, 0.5, 0.1], 32).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.05, 0.5], 32).astype(np.float32)
+    got = np.asarray(jax.jit(_filter_mask)(x, top_k, top_p, min_p))
+    want = np.asarray(jax.jit(_reference_filter_mask)(x, top_k, top_p, min_p))
+    np.testing.assert_array_equal(got, want)
+    assert got.sum(1).min() >= 1 and not got.all()  # every row keeps its best; some rows cut
