@@ -186,19 +186,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
+    from jlora.bench.tpu import SHAPES
+    from jlora.models import llama
+
     device = compile_only_device(args.topology)
     shape = args.shape
     if args.shape_overrides:
-        from jlora.bench.tpu import SHAPES
-
         shape = f"{args.shape}+overrides"
         SHAPES[shape] = {**SHAPES[args.shape], **json.loads(args.shape_overrides)}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.dir or tmp) / f"ckpt-{shape}"
         llm = build_llm(shape, ckpt, args.lora_cond)
-        from jlora.bench.tpu import SHAPES
-        from jlora.models import llama
-
         with tracing_as_tpu():
             cond = llama.lora_cond()
         rows = compile_step_graphs(llm, device, set(args.graphs.split(",")) if args.graphs else None,

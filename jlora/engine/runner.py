@@ -212,8 +212,8 @@ class ModelRunner:
         if self.tp.size > 1 or jax.process_count() > 1:  # outputs replicated; the cache keeps its sharding
             shardings = dict(out_shardings=(self.tp.replicated, self.tp.replicated,
                                             {k: x.sharding for k, x in self.cache.items()}))
-        self.attn_chunk = config.attn_chunk or (
-            default_chunk(self.cache_lanes, jnp.dtype(self.kv_dtype).itemsize) if self.attn_impl == "pallas" else 128)
+        pallas_chunk = default_chunk(self.cache_lanes, jnp.dtype(self.kv_dtype).itemsize)
+        self.attn_chunk = config.attn_chunk or (pallas_chunk if self.attn_impl == "pallas" else 128)
         self._step = jax.jit(self._step_impl, static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl",
                                                                "lora_skip"),
                              donate_argnames=("cache",),

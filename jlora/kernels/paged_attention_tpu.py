@@ -52,9 +52,8 @@ against the reference); `jax.export` lowers it for platforms=["tpu"] without the
 
 from __future__ import annotations
 
-import functools
 import math
-from functools import partial
+from functools import partial, reduce
 
 import jax
 import jax.numpy as jnp
@@ -355,8 +354,7 @@ def paged_attention_tpu(
     # One select of lane-shifted copies (pads fuse into it): a concatenation of per-head selects
     # was two passes over [.., LT] in a v5e compile.
     shifted = [jnp.pad(rows_q, ((0, 0), (0, 0), (0, 0), (j * dh, (hpt - 1 - j) * dh))) for j in range(hpt)]
-    qt = rows_q if hpt == 1 else functools.reduce(lambda acc, j: jnp.where(head == j, shifted[j], acc),
-                                                  range(1, hpt), shifted[0])
+    qt = reduce(lambda acc, j: jnp.where(head == j, shifted[j], acc), range(1, hpt), shifted[0])
     qpos = jnp.broadcast_to(positions.astype(jnp.int32)[:, :, None], (bsz, nq, rq)).reshape(bsz, nq * rq, 1)
 
     # The key chunks each program visits: up to its furthest query, from the first its window shows.
