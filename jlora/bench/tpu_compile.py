@@ -80,7 +80,7 @@ def compile_step_graphs(llm: Any, device: Any, only: set[str] | None = None,
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from jlora.engine.runner import pack_batch, whole_cache_copies
+    from jlora.engine.runner import whole_cache_copies
 
     runner = llm.engine.runner
     sharding = SingleDeviceSharding(device)
@@ -96,17 +96,10 @@ def compile_step_graphs(llm: Any, device: Any, only: set[str] | None = None,
         name = f"{shape[0]}-{shape[1]}-{shape[2]}-{'lora' if with_lora else 'base'}"
         if only and name not in only:
             continue
-        batch = runner.empty_batch(shape)
-        sampling = dict(batch["sampling"])
-        extra = runner._defaults(shape[0], sampling.pop("history").shape[1], sampling.pop("allowed").shape[1])
-        ints, floats, layout = pack_batch({**batch, "sampling": sampling})
-        args = jax.tree.map(spec, (runner._weights, runner.lora.state if with_lora else None, runner.cache,
-                                   ints, floats, *extra))
+        args, static = runner.step_inputs(key)
         t0 = time.perf_counter()
         with tracing_as_tpu():
-            lowered = runner._step.trace(*args, layout=layout, lora_impl=runner.config.lora_impl,
-                                         attn_chunk=runner.attn_chunk, attn_impl=runner.attn_impl,
-                                         lora_skip=shape not in runner._base_shapes).lower()
+            lowered = runner._step.trace(*jax.tree.map(spec, args), **static).lower()
         t1 = time.perf_counter()
         text = lowered.compile().as_text()
         t2 = time.perf_counter()

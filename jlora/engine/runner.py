@@ -396,6 +396,20 @@ class ModelRunner:
         self.cache = self._zero_cache()
         return True
 
+    def step_inputs(self, key: tuple[tuple[int, int, int], bool]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments (an empty batch of the graph's shape) and static arguments the step graph
+        `key` ((R, P, Q), with LoRA) is traced with."""
+        shape, with_lora = key
+        batch = self.empty_batch(shape)
+        sampling = dict(batch["sampling"])
+        extra = self._defaults(shape[0], sampling.pop("history").shape[1], sampling.pop("allowed").shape[1])
+        ints, floats, layout = pack_batch({**batch, "sampling": sampling})
+        args = (self._weights, self.lora.state if with_lora else None, self.cache, *self.tp.put((ints, floats)), *extra)
+        # A shape with a graph without LoRA leaves adapter-free steps to it: its LoRA graph
+        # computes LoRA for every row instead of skipping it with conditionals.
+        return args, dict(layout=layout, lora_impl=self.config.lora_impl, attn_chunk=self.attn_chunk,
+                          attn_impl=self.attn_impl, lora_skip=shape not in self._base_shapes)
+
     def _compile(self, keys: list[tuple[tuple[int, int, int], bool]], progress: bool = False) -> None:
         """Trace and lower each graph ((shape, with LoRA): Python, one at a time), then compile them on
         all cores at once: XLA compiles outside the GIL, and the step graphs do not depend on each other."""
@@ -404,18 +418,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         lowered = {}
         for key in keys:
-            shape, with_lora = key
-            batch = self.empty_batch(shape)
-            sampling = dict(batch["sampling"])
-            extra = self._defaults(shape[0], sampling.pop("history").shape[1], sampling.pop("allowed").shape[1])
-            ints, floats, layout = pack_batch({**batch, "sampling": sampling})
-            # A shape with a graph without LoRA leaves adapter-free steps to it: its LoRA graph
-            # computes LoRA for every row instead of skipping it with conditionals.
-            lowered[key] = self._step.lower(self._weights, self.lora.state if with_lora else None, self.cache,
-                                            *self.tp.put((ints, floats)), *extra,
-                                            layout=layout, lora_impl=self.config.lora_impl,
-                                            attn_chunk=self.attn_chunk, attn_impl=self.attn_impl,
-                                            lora_skip=shape not in self._base_shapes)
+            args, static = self.step_inputs(key)
+            lowered[key] = self._step.lower(*args, **static)
         t1 = time.perf_counter()
 
         def build(key: tuple[tuple[int, int, int], bool]) -> None:
