@@ -74,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of prompt prefixes computed before under the same adapter version")
     p.add_argument("--lazy", action="store_true",
                    help="compile each graph on first use instead of all at start-up (faster for a one-off call)")
+    p.add_argument("--warmup", default=None, choices=["eager", "background", "lazy"],
+                   help="eager: every graph before serving; background: the two that run any step, the rest while "
+                        "serving; lazy: = --lazy (default: background on a TPU, eager elsewhere)")
     p.add_argument("--no-weights-cache", action="store_true",
                    help="do not read or write the converted-weights cache (~/.cache/jlora/weights)")
     p.add_argument("-v", "--verbose", action="store_true", help="print start-up and generation timings to stderr")
@@ -133,8 +136,13 @@ def make_llm(args: argparse.Namespace, kwargs: dict[str, Any] | None = None):
     from jlora import LLM
 
     kwargs = engine_kwargs(args) if kwargs is None else kwargs
-    return LLM(args.model, warmup=not getattr(args, "lazy", False),
+    return LLM(args.model, warmup=warmup_flag(args),
                weights_cache=not getattr(args, "no_weights_cache", False), **kwargs)
+
+
+def warmup_flag(args: argparse.Namespace) -> str | None:
+    """LLM(warmup=...) from --lazy and --warmup (None: LLM's default for the backend)."""
+    return "lazy" if getattr(args, "lazy", False) else getattr(args, "warmup", None)
 
 
 def check_adapter(path: str, flag: str = "--lora") -> None:

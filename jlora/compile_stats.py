@@ -10,6 +10,7 @@ from typing import Iterator
 import jax
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+BACKGROUND = "background"  # the stage of a background warm-up's compiles (ModelRunner.warmup)
 _lock = threading.Lock()
 _local = threading.local()
 _total = 0
@@ -46,9 +47,10 @@ def cache_hit_count() -> int:
     return _cache_hits
 
 
-def compile_count() -> int:
-    """XLA compilations in this process so far (all stages)."""
-    return _total
+def compile_count(exclude: tuple[str, ...] = ()) -> int:
+    """XLA compilations in this process so far (all stages, but those in `exclude`)."""
+    with _lock:
+        return _total - sum(len(_by_stage[s]) for s in exclude if s in _by_stage)
 
 
 @contextlib.contextmanager

@@ -55,9 +55,14 @@ class LLM:
     path) is checked before any weights are read or graphs compiled. The size defaults are
     `EngineConfig`'s (`ENGINE_DEFAULTS`), shared with the CLI.
 
-    warmup=True (eager, the default) compiles every graph before returning, so no request waits for a
-    compile. warmup=False is the lazy mode: each graph compiles the first time a batch needs it (and
-    shows in `compile_report()` under its stage), so a one-off call that needs few graphs starts sooner.
+    warmup=True ("eager") compiles every graph before returning, so no request waits for a compile.
+    warmup="background" compiles the two graphs that can run any step (the most decode rows, one
+    prompt's full chunk) before returning and the rest in a thread while the engine serves: steps
+    keep to the compiled shapes (padding costs compute, never a wait for a compile) until
+    `wait_for_warmup()` would return. warmup=False ("lazy"): each graph compiles the first time a
+    batch needs it (and shows in `compile_report()` under its stage), so a one-off call that needs
+    few graphs starts sooner. None (the default): "background" on one TPU host, where a step graph
+    takes seconds to compile; eager elsewhere.
 
     weights_cache=True keeps the converted (dequantized) weights on disk, keyed by the source file's
     contents, so a second start does not dequantize the GGUF again (`jlora.models.weights_cache`);
@@ -99,7 +104,7 @@ class LLM:
         enable_prefix_caching: bool = ENGINE_DEFAULTS["enable_prefix_caching"],
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
-        warmup: bool = True,
+        warmup: bool | str | None = None,
         compilation_cache_dir: str | os.PathLike | None = None,
         use_compilation_cache: bool = True,
         weights_cache: bool | str | os.PathLike = True,
@@ -107,6 +112,7 @@ class LLM:
         progress: bool = True,
     ):
         t0 = time.perf_counter()
+        warmup = resolve_warmup(warmup)
         v = max_cpu_lora_bytes
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ValueError(f"max_cpu_lora_bytes must be None or an int >= 0, got {v!r}")
@@ -171,12 +177,13 @@ class LLM:
         # Where the start-up went, in seconds (`jlora bench start` reports these).
         self.startup_seconds: dict[str, float] = {
             "validate": t_checked - t0, "imports": t1 - t_checked, "load_weights": t2 - t1, "tokenizer": t3 - t2, "engine_init": t4 - t3}
-        if warmup:
-            self.warmup()
+        self.warmup_mode = warmup
+        if warmup != "lazy":
+            self.warmup(background=warmup == "background")
         elif progress:
             self._say("lazy start (warmup=False): each graph compiles the first time a batch needs it")
         self.startup_seconds["warmup"] = time.perf_counter() - t4
-        if warmup:  # its parts: tracing and lowering the step graphs, then compiling (or loading) them
+        if warmup != "lazy":  # its parts: tracing and lowering the step graphs, then compiling (or loading) them
             for part in ("trace_and_lower", "compile"):
                 self.startup_seconds[f"warmup_{part}"] = sum(r.compile_seconds[part] for r in self.runners)
 
@@ -185,20 +192,32 @@ class LLM:
         """The engine's ModelRunners: one per data-parallel replica."""
         return list(getattr(self.engine, "runners", [self.engine.runner]))
 
-    def warmup(self) -> None:
-        """Compile every graph the engine can need (eager start): the slot writes and each step shape."""
+    def warmup(self, background: bool = False) -> None:
+        """Compile every graph the engine can need: the slot writes and each step shape; with
+        `background`, the step graphs but `EngineConfig.first_graphs()` in a thread (see the class)."""
         steps = sum(len([g for g in r.config.step_graphs() if g not in r._executables]) for r in self.runners)
         slots = sum(len(r.lora.pools) for r in self.runners)
         if self.progress:
-            self._say(f"compiling {steps + slots} graphs ({steps} step graphs, {slots} set_slot); "
-                      f"{_compile_cache_holds()}")
-        t, n, hits = time.perf_counter(), compile_stats.compile_count(), compile_stats.cache_hit_count()
+            later = max(0, steps - 2 * len(self.runners)) if background else 0
+            self._say(f"compiling {steps + slots} graphs ({steps} step graphs, {slots} set_slot"
+                      + (f"; {later} of the step graphs in the background while serving" if later else "")
+                      + f"); {_compile_cache_holds()}")
+        t = time.perf_counter()
+        n, hits = compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,)), compile_stats.cache_hit_count()
         for runner in self.runners:
-            runner.warmup(progress=self.progress)
+            runner.warmup(progress=self.progress, background=background)
         if self.progress:
-            n, hits = compile_stats.compile_count() - n, compile_stats.cache_hit_count() - hits
+            n = compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,)) - n
+            hits = compile_stats.cache_hit_count() - hits
             self._say(f"warm-up done in {time.perf_counter() - t:.1f} s: {n} graphs compiled ({hits} of them "
-                      f"loaded from the compile cache)")
+                      f"loaded from the compile cache)" + ("; serving while the rest compile" if background else ""))
+
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Wait for a background warm-up (`warmup="background"`) to compile its graphs; True when every
+        step graph is compiled (at once for the other modes). Raises what a background compile raised."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all([r.wait_warmup(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                    for r in self.runners])
 
     def _say(self, message: str) -> None:
         """One line of what the start is doing, on stderr beside tqdm's bars (only with progress=True)."""
@@ -406,6 +425,20 @@ def _weights_source(path: Path, cache: Any, dtype: Any, quantization: str | None
     if (entry / META_FILE).is_file():
         return f"weights cache hit ({entry})"
     return f"weights cache miss, {convert} and caching it in {cache.root}"
+
+
+WARMUP_MODES = {True: "eager", False: "lazy", "eager": "eager", "lazy": "lazy", "background": "background"}
+
+
+def resolve_warmup(warmup: bool | str | None) -> str:
+    """LLM(warmup=...) as "eager", "background" or "lazy" (None: background on one TPU host)."""
+    if warmup is None:
+        return "background" if jax.default_backend() == "tpu" and jax.process_count() == 1 else "eager"
+    if isinstance(warmup, bool) or (isinstance(warmup, str) and warmup in WARMUP_MODES):
+        if warmup == "background" and jax.process_count() > 1:  # processes must step the same graphs
+            raise ValueError("warmup='background' needs one process (jax.distributed runs every graph in step)")
+        return WARMUP_MODES[warmup]
+    raise ValueError(f"warmup must be True, False, None or one of 'eager', 'background', 'lazy', got {warmup!r}")
 
 
 def _compile_cache_holds() -> str:

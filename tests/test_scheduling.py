@@ -88,7 +88,7 @@ def test_prefill_prefers_fewer_prompts_when_the_yield_is_nearly_the_same(monkeyp
     from jlora.engine.config import EngineConfig
 
     cfg = EngineConfig(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024, token_buckets=(32, 128, 1024))
-    planner = SimpleNamespace(config=cfg)
+    planner = SimpleNamespace(config=cfg, can_run=lambda shape: True)
 
     def choose(n, length, done=0):
         seqs = [SimpleNamespace(total_len=length, num_computed=done) for _ in range(n)]
@@ -105,3 +105,8 @@ def test_prefill_prefers_fewer_prompts_when_the_yield_is_nearly_the_same(monkeyp
     monkeypatch.setattr(scheduler, "PREFILL_SLACK", None)
     assert choose(64, 1024) == (32, 32)
     assert choose(40, 20) == (32, 32)
+    # A background warm-up that has compiled only the full chunk's graph: short prompts go one a step.
+    planner.can_run = lambda shape: shape == (64, 1, 1024)
+    assert choose(40, 20) == (1, 1024)
+    planner.can_run = lambda shape: shape[1:] in ((1, 1024), (8, 128))
+    assert choose(40, 20) == (8, 128)

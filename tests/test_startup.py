@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from jlora import compile_stats
@@ -219,3 +220,124 @@ def test_start_says_what_it_is_doing(tiny_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"weights cache miss, converting the checkpoint and caching it in {tmp_path / 'other'}" in err
     assert "lazy start (warmup=False)" in err
+
+
+# Seven step graphs: decode rows 1 and 2 (each with and without LoRA) and three prefill shapes; the
+# two of `first_graphs()` run every step.
+BACKGROUND = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, max_loras=2, max_lora_rank=24,
+                  token_buckets=(16, 32), decode_row_buckets=(1, 2), base_graphs="decode")
+
+
+def test_warmup_mode_resolves_by_backend_and_rejects_bad_values(monkeypatch):
+    from jlora.llm import resolve_warmup
+
+    assert resolve_warmup(None) == "eager"  # this CPU
+    assert (resolve_warmup(True), resolve_warmup(False)) == ("eager", "lazy")
+    assert resolve_warmup("background") == "background"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert resolve_warmup(None) == "background"
+    for bad in ("sometimes", 1, ["eager"]):
+        with pytest.raises(ValueError, match="warmup must be"):
+            resolve_warmup(bad)
+
+
+def test_llm_rejects_a_bad_warmup_before_loading(tmp_path):
+    from jlora import LLM
+
+    # The model path does not exist: the warm-up mode is checked before it is looked at.
+    with pytest.raises(ValueError, match="warmup must be"):
+        LLM(str(tmp_path / "missing"), warmup="sometimes", progress=False)
+
+
+def test_first_graphs_are_step_graphs_that_cover_every_step():
+    c = EngineConfig(**{k: v for k, v in BACKGROUND.items() if k not in ("max_loras", "max_lora_rank")},
+                     max_loras=2, max_lora_rank=24)
+    first = c.first_graphs()
+    assert set(first) <= set(c.step_graphs()) and len(c.step_graphs()) == 7
+    (dec, _), (pre, _) = first
+    # Every decode-only shape has no more rows, and every prefill part fits one prompt's full chunk.
+    assert all(r <= dec[0] for r in c.decode_row_buckets)
+    assert pre == (c.max_num_seqs, 1, max(q for _, q in c.prefill_shapes()))
+
+
+def test_compile_count_can_leave_out_a_stage():
+    @jax.jit
+    def f(x):
+        return x * 3 + 1
+
+    x = jax.device_put(np.arange(7.0))  # a shape no other test compiles
+    before, before_fg = compile_stats.compile_count(), compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,))
+    with compile_stats.stage(compile_stats.BACKGROUND):
+        f(x)
+    assert compile_stats.compile_count() == before + 1
+    assert compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,)) == before_fg
+
+
+def test_background_warmup_serves_from_the_first_graphs_then_all(tiny_dir, tiny_adapters, monkeypatch):
+    """Held back, the background warm-up has compiled nothing: requests (a burst of short prompts,
+    adapters mixed) run on `first_graphs()` alone, compile nothing, and give the tokens they give
+    once every graph is compiled."""
+    import threading
+
+    from jlora import LLM, LoRARequest, SamplingParams
+    from jlora.engine.runner import ModelRunner
+
+    gate = threading.Event()
+    real = ModelRunner._compile_pending
+
+    def held(self, keys):
+        gate.wait()
+        real(self, keys)
+
+    monkeypatch.setattr(ModelRunner, "_compile_pending", held)
+    path, _ = tiny_dir
+    llm = LLM(path, warmup="background", progress=False, use_compilation_cache=False, **BACKGROUND)
+    runner = llm.engine.runner
+    assert set(runner._executables) == set(llm.config.first_graphs())
+    assert not llm.wait_for_warmup(timeout=0.01)
+    ran = []
+    launch = runner.launch
+    monkeypatch.setattr(runner, "launch", lambda batch, prev=None: ran.append(runner.graph_of(batch)) or launch(batch, prev))
+    prompts = ["The sea is", "One two", "Red green blue", "A"]
+    loras = [LoRARequest("a1", 1, str(tiny_adapters[1])), None, None, LoRARequest("a1", 1, str(tiny_adapters[1]))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    n = compile_stats.compile_count()
+    during = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    alone = llm.generate(prompts[1:2], params, use_tqdm=False)  # one row, no adapter
+    assert compile_stats.compile_count() == n, "a step compiled while the background warm-up was held"
+    assert ran and set(ran) <= set(llm.config.first_graphs()), set(ran)
+    gate.set()
+    assert llm.wait_for_warmup(timeout=600)
+    assert set(runner._executables) == set(llm.config.step_graphs())
+    assert runner.compile_seconds["background"] > 0
+    ran.clear()
+    n = compile_stats.compile_count()
+    after = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    alone_after = llm.generate(prompts[1:2], params, use_tqdm=False)
+    assert compile_stats.compile_count() == n
+    assert ((1, 0, 0), False) in ran and any(k[0][1] == 2 for k in ran), ran  # the exact shapes now
+    assert [o.outputs[0].token_ids for o in during] == [o.outputs[0].token_ids for o in after]
+    assert alone[0].outputs[0].token_ids == alone_after[0].outputs[0].token_ids
+
+
+def test_background_warmup_failure_is_reported_and_serving_goes_on(tiny_dir, monkeypatch, capsys):
+    from jlora import LLM, SamplingParams
+    from jlora.engine.runner import ModelRunner
+
+    real = ModelRunner._compile
+
+    def failing(self, keys, progress=False, stage="step"):
+        if stage == compile_stats.BACKGROUND:
+            raise MemoryError("no room for this graph")
+        return real(self, keys, progress, stage)
+
+    monkeypatch.setattr(ModelRunner, "_compile", failing)
+    path, _ = tiny_dir
+    llm = LLM(path, warmup="background", progress=False, use_compilation_cache=False, **BACKGROUND)
+    with pytest.raises(RuntimeError, match="background warm-up failed") as e:
+        llm.wait_for_warmup(timeout=600)
+    assert isinstance(e.value.__cause__, MemoryError)
+    assert "background warm-up failed" in capsys.readouterr().err
+    out = llm.generate(["The sea is", "One two"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]

@@ -197,6 +197,12 @@ class EngineConfig:
         return (tuple((s, True) for s in self.step_shapes())
                 + tuple((s, False) for s in self.base_graph_shapes()))
 
+    def first_graphs(self) -> tuple[tuple[tuple[int, int, int], bool], ...]:
+        """The two step graphs that can run every step on their own: the most decode rows, and one
+        prompt's full chunk beside them, both with LoRA (padding rows and tokens cost compute, never
+        correctness). A background warm-up compiles these before serving and the rest after."""
+        return ((self.max_num_seqs, 0, 0), True), ((self.max_num_seqs, 1, self.prefill_chunk), True)
+
     @property
     def num_step_graphs(self) -> int:
         return len(self.step_graphs())

@@ -77,6 +77,7 @@ class LLMEngine:
                                        max_cpu_loras=config.max_cpu_loras, dtype=model.dtype,
                                        slot_ranks=config.slot_ranks)
         self.scheduler = Scheduler(config, self.adapters)
+        self.scheduler.can_run = self.runner.can_run
         self.output = OutputProcessor(config.max_model_len, eos_token_id)
         self.grammars = GrammarCompiler(tokenizer, model.cfg.vocab_size)
         self.requests: dict[str, Request] = {}

@@ -14,11 +14,15 @@ step plan carries them and `write_slots` applies them right before the step that
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
 import re
+import sys
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -223,6 +227,12 @@ class ModelRunner:
         self._base_shapes = frozenset(config.base_graph_shapes())  # shapes with a graph without LoRA too
         self.compile_seconds: dict[str, Any] = {"trace_and_lower": 0.0, "compile": 0.0, "graphs": {}}
         self._out_layouts: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> how its packed outputs unpack
+        # A background warm-up's graphs not compiled yet (`warmup(background=True)`), the thread that
+        # compiles them, and what it raised.
+        self._pending: set[tuple[tuple[int, int, int], bool]] = set()
+        self._background: threading.Thread | None = None
+        self._stop_background = threading.Event()
+        self.background_error: BaseException | None = None
         self._resident: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}  # rows -> `_defaults`
 
     def _place(self, path: tuple[Any, ...], w: Any) -> jax.Array:
@@ -373,7 +383,15 @@ class ModelRunner:
         """The step graph (shape, with LoRA) a batch runs: the one without LoRA when no row has an
         adapter and its shape has one (EngineConfig.base_graphs), else the LoRA graph."""
         shape = batch["dec_positions"].shape + batch["pre_positions"].shape
-        return shape, bool((batch["slot_ids"] >= 0).any()) or shape not in self._base_shapes
+        with_lora = bool((batch["slot_ids"] >= 0).any()) or shape not in self._base_shapes
+        # While a background warm-up compiles the base graph, the LoRA graph (always compiled before
+        # its shape is scheduled) runs the step: LoRA for every row, zero for rows without an adapter.
+        return shape, with_lora or (shape, False) in self._pending
+
+    def can_run(self, shape: tuple[int, int, int]) -> bool:
+        """Whether a step of `shape` runs without waiting for a compile: false only for a graph a
+        background warm-up has not compiled yet (the scheduler then picks a larger shape)."""
+        return (shape, True) not in self._pending
 
     def collect(self, handle: StepHandle) -> dict[str, np.ndarray]:
         """Waits for a launched step; its outputs on the host, in one transfer."""
@@ -410,7 +428,8 @@ class ModelRunner:
         return args, dict(layout=layout, lora_impl=self.config.lora_impl, attn_chunk=self.attn_chunk,
                           attn_impl=self.attn_impl, lora_skip=shape not in self._base_shapes)
 
-    def _compile(self, keys: list[tuple[tuple[int, int, int], bool]], progress: bool = False) -> None:
+    def _compile(self, keys: list[tuple[tuple[int, int, int], bool]], progress: bool = False,
+                 stage: str = "step") -> None:
         """Trace and lower each graph ((shape, with LoRA): Python, one at a time), then compile them on
         all cores at once: XLA compiles outside the GIL, and the step graphs do not depend on each other."""
         if not keys:
@@ -419,13 +438,16 @@ class ModelRunner:
         lowered = {}
         for key in keys:
             args, static = self.step_inputs(key)
-            lowered[key] = self._step.lower(*args, **static)
+            # Abstract arguments: a background warm-up lowers while steps donate the cache it would
+            # otherwise hold (and the shapes and shardings are all a lowering reads).
+            lowered[key] = self._step.lower(*jax.tree.map(_abstract, args), **static)
         t1 = time.perf_counter()
 
         def build(key: tuple[tuple[int, int, int], bool]) -> None:
             t = time.perf_counter()
-            with compile_stats.stage("step"):
+            with compile_stats.stage(stage):
                 self._executables[key] = lowered[key].compile()
+            self._pending.discard(key)  # after the executable is in: a reader that sees it gone finds it
             self.compile_seconds["graphs"][f"{key[0]}{'' if key[1] else ' base'}"] = time.perf_counter() - t
 
         bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
@@ -435,10 +457,74 @@ class ModelRunner:
         bar.close()
         # Where warm-up goes (start-up's largest part on a TPU): Python tracing and lowering, one
         # graph at a time, then the compiles (or persistent-cache loads) side by side.
-        self.compile_seconds["trace_and_lower"] += t1 - t0
-        self.compile_seconds["compile"] += time.perf_counter() - t1
+        part = "background_" if stage == compile_stats.BACKGROUND else ""
+        self.compile_seconds[f"{part}trace_and_lower"] = self.compile_seconds.get(f"{part}trace_and_lower", 0.0) + t1 - t0
+        self.compile_seconds[f"{part}compile"] = (self.compile_seconds.get(f"{part}compile", 0.0)
+                                                  + time.perf_counter() - t1)
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compile the slot write and every step graph once, before the first request."""
+    def warmup(self, progress: bool = True, background: bool = False) -> None:
+        """Compile the slot write and every step graph once, before the first request.
+
+        background=True compiles `EngineConfig.first_graphs()` (which run any step) now and the rest
+        in a thread, one graph at a time, while the engine serves: the scheduler picks among the
+        compiled shapes (`can_run`), and no step waits for a compile. `wait_warmup` joins it."""
         self.lora.warmup()
-        self._compile([g for g in self.config.step_graphs() if g not in self._executables], progress)
+        todo = [g for g in self.config.step_graphs() if g not in self._executables]
+        if not background:
+            self._compile(todo, progress)
+            return
+        self._compile([g for g in self.config.first_graphs() if g in todo], progress)
+        rest = [g for g in todo if g not in self._executables]
+        if not rest:
+            return
+        self._pending = set(rest)
+        self._background = threading.Thread(target=self._compile_pending, args=(rest,), daemon=True,
+                                            name="jlora-warmup")
+        self._background.start()
+        _BACKGROUND_RUNNERS.add(self)
+
+    def _compile_pending(self, keys: list[tuple[tuple[int, int, int], bool]]) -> None:
+        """The background warm-up: one graph at a time (the smallest decode rows first, the steps a
+        lone request runs), stopping between graphs at interpreter exit."""
+        t = time.perf_counter()
+        try:
+            for key in sorted(keys, key=lambda k: (k[0][1] > 0, not k[1], k[0])):
+                if self._stop_background.is_set():
+                    return
+                self._compile([key], stage=compile_stats.BACKGROUND)
+        except BaseException as e:  # noqa: BLE001 (kept for wait_warmup; steps keep the compiled graphs)
+            self.background_error = e
+            print(f"jlora: background warm-up failed, steps keep to the graphs compiled so far: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        finally:
+            self.compile_seconds["background"] = time.perf_counter() - t
+
+    def wait_warmup(self, timeout: float | None = None) -> bool:
+        """Wait for a background warm-up; True when every graph is compiled. Raises what the
+        background compile raised."""
+        if self._background is not None:
+            self._background.join(timeout)
+        if self.background_error is not None:
+            raise RuntimeError("jlora's background warm-up failed") from self.background_error
+        return not self._pending
+
+    def stop_background_warmup(self) -> None:
+        """Stop a background warm-up after the graph it is compiling (what interpreter exit does)."""
+        self._stop_background.set()
+        if self._background is not None:
+            self._background.join()
+
+def _abstract(x: Any) -> Any:
+    """An array's shape, dtype and sharding (what lowering a step graph reads of it)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+
+
+# Runners with a background warm-up: at exit each finishes the graph it is compiling and stops, so
+# no compile is left running while JAX shuts its backends down.
+_BACKGROUND_RUNNERS: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_background_warmups() -> None:
+    for runner in list(_BACKGROUND_RUNNERS):
+        runner.stop_background_warmup()

@@ -71,6 +71,9 @@ class Scheduler:
         # Requests of a step that raised, oldest first: each runs alone for one step, and the one that
         # fails alone is failed; the rest go back to batching.
         self._suspects: deque[str] = deque()
+        # Whether a step shape's graph is compiled (ModelRunner.can_run): during a background warm-up
+        # the scheduler keeps to the shapes that are, padding a step into a larger one.
+        self.can_run: Callable[[tuple[int, int, int]], bool] = lambda shape: True
 
     def add(self, seqs: list[Sequence]) -> None:
         self.waiting.extend(seqs)
@@ -91,7 +94,8 @@ class Scheduler:
         c = self.config
         (p, q), chunks = self._choose_prefill(prefilling)
         # Rows are packed afresh each step: decoding sequences first, then prompts completing now.
-        r = c.max_num_seqs if chunks else bucket_for(len(decoding), c.decode_row_buckets)
+        r = c.max_num_seqs if chunks else bucket_for(
+            len(decoding), tuple(b for b in c.decode_row_buckets if self.can_run((b, 0, 0))))
         prefill = [(s, s.num_computed, min(q, s.total_len - s.num_computed)) for s in chunks]
         completing = [s for s, start, n in prefill if start + n == s.total_len]
         return StepPlan((r, p, q), decoding, prefill, decoding + completing, self.adapters.take_writes())
@@ -150,6 +154,8 @@ class Scheduler:
             return (0, 0), []
         options = []
         for p, q in self.config.prefill_shapes():
+            if not self.can_run((self.config.max_num_seqs, p, q)):
+                continue
             take = seqs[:p]
             useful = sum(min(q, s.total_len - s.num_computed) for s in take)
             options.append((useful / (p * q + self.config.max_num_seqs + STEP_COST_TOKENS), (p, q), take))

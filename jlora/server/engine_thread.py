@@ -58,14 +58,15 @@ class EngineThread:
         self._sinks: dict[str, _Sink] = {}
         self._stopping = False
         self._deadline = float("inf")
-        self._compiles_at_start = compile_stats.compile_count()
+        self._compiles_at_start = compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,))
         self.heartbeat = time.monotonic()  # the engine thread's last sign of progress (each loop turn)
         self._thread = threading.Thread(target=self._run, name="jlora-engine", daemon=True)
 
     # ---- called from any thread ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self._compiles_at_start = compile_stats.compile_count()  # warm-up is over by now
+        # warm-up is over by now, but for a background one's compiles (not counted: no step waits for them)
+        self._compiles_at_start = compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,))
         self._update_snapshot()
         self._thread.start()
 
@@ -111,7 +112,7 @@ class EngineThread:
 
     @property
     def compiles_after_start(self) -> int:
-        return compile_stats.compile_count() - self._compiles_at_start
+        return compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,)) - self._compiles_at_start
 
     # ---- the engine thread ----------------------------------------------------------------------------
 

@@ -220,12 +220,13 @@ def serve_main(args: argparse.Namespace) -> int:
     lora_modules, sock, template = check_serve_args(args)
     api_key = args.api_key or os.environ.get("JLORA_API_KEY") or None
     from jlora import LLM
+    from jlora.cli import warmup_flag
     from jlora.models.loading import DEFAULT_MODEL
     from jlora.server.app import build_app
 
     log_requests(args.log_level)
     kwargs = engine_kwargs(vars(args))
-    kwargs.update(warmup=not getattr(args, "lazy", False), weights_cache=not getattr(args, "no_weights_cache", False))
+    kwargs.update(warmup=warmup_flag(args), weights_cache=not getattr(args, "no_weights_cache", False))
     llm = LLM(args.model, **kwargs)
     if template is not None:
         llm.tokenizer.chat_template = template
