@@ -97,6 +97,27 @@ def test_compute_steps_skip_what_a_sequence_does_not_reach(h, kvh, dh, bs, chunk
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("step", [16, 32])
+def test_prefill_programs_step_through_partial_chunks(step, monkeypatch):
+    """PREFILL_STEP: prefill programs (more than SMALL_PROGRAM_ROWS rows) compute a partial chunk in
+    steps and skip those past their furthest query's page: a prompt from position 0 (its first
+    query blocks reach one page of a 128-position chunk) and a later chunk of another prompt across
+    a chunk boundary, against the reference; buffers never written hold NaN."""
+    from jlora.kernels import paged_attention_tpu as kernel
+
+    h, kvh, dh, bs, chunk, nq = 8, 2, 64, 16, 128, 96
+    monkeypatch.setattr(kernel, "PREFILL_STEP", step)
+    assert compute_block(chunk, bs, 8 * 16) == step and compute_block(chunk, bs, 8) == chunk  # decode rule unchanged
+    q, k, v, _, tables = make_case(h, kvh, dh, bs, nq, seed=31)
+    positions = np.stack([np.arange(nq), np.arange(100, 100 + nq), np.full(nq, -1)]).astype(np.int32)
+    positions[1, -5:] = -1  # padding after a short chunk
+    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk,
+                              interpret=pltpu.InterpretParams(uninitialized_memory="nan"))
+    want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
+    assert not np.isnan(np.asarray(got)).any()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("seqs,nq", [(2, 1), (3, 1), (6, 1), (4, 1), (3, 2)])
 def test_several_sequences_a_program(seqs, nq):
     """`seqs_per_program`: a program walks several sequences (the largest divisor of B up to it: 4

@@ -742,7 +742,8 @@ def apply_model_switches(args: argparse.Namespace) -> None:
 
     for module, flag, name, default in ((llama, "lora_slices", "LORA_SLICES", "inside"),
                                         (llama, "lora_cond", "LORA_COND", "auto"),
-                                        (kernel, "attn_seqs_per_program", "SEQS_PER_PROGRAM", 1)):
+                                        (kernel, "attn_seqs_per_program", "SEQS_PER_PROGRAM", 1),
+                                        (kernel, "attn_prefill_step", "PREFILL_STEP", "auto")):
         if hasattr(module, name):  # (an older jlora has no choice)
             value = getattr(args, flag)
             setattr(module, name, None if value == "auto" else value)
@@ -755,6 +756,14 @@ def resolved_lora_cond() -> str:
     from jlora.models import llama
 
     return llama.lora_cond() if hasattr(llama, "lora_cond") else getattr(llama, "LORA_COND", "pass")
+
+
+def resolved_prefill_step() -> int | None:
+    """Positions a prefill program of the kernel computes a step (0: whole chunks; None: an older
+    jlora, whole chunks)."""
+    from jlora.kernels import paged_attention_tpu as kernel
+
+    return kernel.PREFILL_STEP or 0 if hasattr(kernel, "PREFILL_STEP") else None
 
 
 def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_impl: str | None = None) -> Any:
@@ -880,7 +889,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                attn_impl=getattr(runner, "attn_impl", "xla (before)"),
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
                lora_impl=args.lora_impl, lora_slices=args.lora_slices, lora_cond=resolved_lora_cond(),
-               attn_seqs_per_program=args.attn_seqs_per_program,
+               attn_seqs_per_program=args.attn_seqs_per_program, attn_prefill_step=resolved_prefill_step(),
                base_graphs=getattr(llm.config, "base_graphs", None), max_num_seqs=n,
                block_size=llm.config.block_size,
                num_kv_blocks=llm.config.num_kv_blocks,
@@ -1418,6 +1427,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-cond", default="auto", choices=["auto", "pass", "inside"],
                    help="engine and layers: the base projection before the LoRA conditional (pass) or inside its "
                         "branches (jlora.models.llama.LORA_COND; auto: inside on a TPU, pass elsewhere)")
+    p.add_argument("--attn-prefill-step", default="auto", type=lambda v: v if v == "auto" else int(v),
+                   help="positions a prefill program of the kernel computes a step where its chunk is partial "
+                        "(0: whole chunks; auto: the kernel's default), for the engine and layers sections")
     p.add_argument("--attn-seqs-per-program", type=int, default=1,
                    help="engine: decode sequences a program of the Pallas attention kernel walks "
                         "(jlora.kernels.paged_attention_tpu.SEQS_PER_PROGRAM; an experiment)")
@@ -1503,7 +1515,9 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
             _save(out, results)
         for bs, chunk, opts in args.kernel_variants:  # other page and chunk sizes, the Pallas kernel only
             # long rows, short rows (the short workload's mean context too), a second chunk mostly empty, prefill
-            for r, ctx, nq in ((64, 1024, 1), (64, 256, 1), (64, 160, 1), (64, 1152, 1), (1, 1024, 256)):
+            # and a whole 1,024-token prompt from position 0 (causal: early query blocks reach few pages)
+            for r, ctx, nq in ((64, 1024, 1), (64, 256, 1), (64, 160, 1), (64, 1152, 1), (1, 1024, 256),
+                               (1, 1024, 1024)):
                 rows += bench_kernel(cfg, r, ctx, nq, block_size=bs, chunk=chunk, impls=("pallas",), kernel_opts=opts)
             _save(out, results)
     elif section == "qmatmul":

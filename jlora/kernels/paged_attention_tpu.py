@@ -77,6 +77,10 @@ UNROLL_PAGES = 16
 SEQS_PER_PROGRAM = 1
 # Programs with at most this many query rows (decode: a query's heads) compute a chunk in steps.
 SMALL_PROGRAM_ROWS = 64
+# Positions a prefill program (more rows) computes a step where its chunk is partial, as decode
+# programs do; 0: whole chunks; None: the default (`compute_block`). Read at trace time; `jlora
+# bench tpu --attn-prefill-step` sets it for an engine.
+PREFILL_STEP: int | None = None
 
 
 def default_chunk(kd: int, itemsize: int) -> int:
@@ -111,9 +115,12 @@ def compute_block(chunk: int, bs: int, rows: int) -> int:
     """Key positions per compute step of a program with `rows` query rows: a decode program (at
     most SMALL_PROGRAM_ROWS rows) computes a chunk in steps of at least 128 positions (whole
     pages), skipping those past its sequence's last page; a prefill program takes the chunk at
-    once, as its rows' rescaling per step would cost more than the empty rest it skips."""
+    once unless PREFILL_STEP says otherwise (a causal prompt's early query blocks reach a few
+    pages of their chunk: steps skip the rest, at the cost of rescaling the rows each step)."""
     if rows > SMALL_PROGRAM_ROWS:
-        return chunk
+        if not PREFILL_STEP:
+            return chunk
+        return min(chunk, bs * -(-PREFILL_STEP // bs))
     return min(chunk, bs * -(-128 // bs))
 
 
