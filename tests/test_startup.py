@@ -326,10 +326,10 @@ def test_background_warmup_failure_is_reported_and_serving_goes_on(tiny_dir, mon
 
     real = ModelRunner._compile
 
-    def failing(self, keys, progress=False, stage="step"):
+    def failing(self, keys, progress=False, stage="step", stop=None):
         if stage == compile_stats.BACKGROUND:
             raise MemoryError("no room for this graph")
-        return real(self, keys, progress, stage)
+        return real(self, keys, progress, stage, stop)
 
     monkeypatch.setattr(ModelRunner, "_compile", failing)
     path, _ = tiny_dir
