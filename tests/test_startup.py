@@ -341,3 +341,17 @@ def test_background_warmup_failure_is_reported_and_serving_goes_on(tiny_dir, mon
     out = llm.generate(["The sea is", "One two"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+
+
+def test_warmup_flag_of_generate_and_serve():
+    from jlora import cli
+
+    def flag(*argv):
+        return cli.warmup_flag(cli.build_parser().parse_args(list(argv)))
+
+    assert flag("generate", "hi") is None  # LLM's default: background on a TPU, eager elsewhere
+    assert flag("generate", "hi", "--warmup", "background") == "background"
+    assert flag("serve", "--warmup", "eager") == "eager"
+    assert flag("generate", "hi", "--lazy") == flag("demo", "--warmup", "lazy") == "lazy"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--warmup", "sometimes"])

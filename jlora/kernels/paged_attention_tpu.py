@@ -78,8 +78,9 @@ SEQS_PER_PROGRAM = 1
 # Programs with at most this many query rows (decode: a query's heads) compute a chunk in steps.
 SMALL_PROGRAM_ROWS = 64
 # Positions a prefill program (more rows) computes a step where its chunk is partial, as decode
-# programs do; 0: whole chunks; None: the default (`compute_block`). Read at trace time; `jlora
-# bench tpu --attn-prefill-step` sets it for an engine.
+# programs do; 0 or None (the default): whole chunks. An experiment, read at trace time (`jlora
+# bench tpu --attn-prefill-step`): 128-position steps took a 1,024-token prefill step from 46% to
+# 43% of a v5e's MXU (the rescaling outweighed the causal half they skip; docs/tpu.md, eighth pass).
 PREFILL_STEP: int | None = None
 
 
@@ -115,8 +116,8 @@ def compute_block(chunk: int, bs: int, rows: int) -> int:
     """Key positions per compute step of a program with `rows` query rows: a decode program (at
     most SMALL_PROGRAM_ROWS rows) computes a chunk in steps of at least 128 positions (whole
     pages), skipping those past its sequence's last page; a prefill program takes the chunk at
-    once unless PREFILL_STEP says otherwise (a causal prompt's early query blocks reach a few
-    pages of their chunk: steps skip the rest, at the cost of rescaling the rows each step)."""
+    once (its rows' rescaling each step cost more than the causal rest it skips, measured with
+    PREFILL_STEP)."""
     if rows > SMALL_PROGRAM_ROWS:
         if not PREFILL_STEP:
             return chunk
