@@ -129,7 +129,7 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
            "--sections", "checkpoint,load,qmatmul,agree,engine,warm", "--quantization", "int8",
            "--workloads", "11", "--max-num-seqs", "auto", "--max-seqs-cap", "3", "--token-buckets", "128",
            "--max-num-batched-tokens", "128", "--qmatmul-rows", "4", "--agree-shape", "tiny", "--quick",
-           "--lora-slices", "before", "--base-graphs", "decode", "--prefill-slack", "off,0.05"]
+           "--lora-slices", "before", "--base-graphs", "decode", "--prefill-slack", "off,0.05", "--warmup", "background"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     r = json.loads((out / "results.json").read_text())
@@ -145,6 +145,9 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
     assert eng["block_size"] == 128  # the TPU's automatic size at max_model_len 2048, as the chip would run it
     assert eng["compiles_after_warmup"] == 0 and eng["whole_cache_copies"] == [] and eng["whole_weight_copies"] == []
     assert eng["lora_slices"] == "before" and eng["adapter_first_load_s"] > 0  # adapters loaded before the timing
+    # Ready after two graphs, a first request served, then every graph before the timed workloads.
+    assert eng["warmup_mode"] == run["warm"]["warmup_mode"] == "background"
+    assert eng["first_request_s"] > 0 and eng["all_graphs_s"] >= eng["start_s"] > 0
     # decode rows 1 and 3, each with and without LoRA, and one prefill shape
     assert eng["base_graphs"] == "decode" and eng["graphs"] == 5
     assert set(eng["compile_seconds"]["graphs"]) == {"(1, 0, 0)", "(1, 0, 0) base", "(3, 0, 0)", "(3, 0, 0) base",
@@ -177,14 +180,21 @@ def test_model_switches_reach_the_model(monkeypatch):
     monkeypatch.setattr(llama, "LORA_SLICES", "inside")
     monkeypatch.setattr(llama, "LORA_COND", "pass")
     monkeypatch.setattr(kernel, "SEQS_PER_PROGRAM", 1)
+    monkeypatch.setattr(kernel, "PREFILL_STEP", None)
     tpu.apply_model_switches(tpu.parse_args(["--lora-slices", "before", "--lora-cond", "inside",
-                                             "--attn-seqs-per-program", "8"]))
+                                             "--attn-seqs-per-program", "8", "--attn-prefill-step", "128"]))
     assert (llama.LORA_SLICES, llama.LORA_COND, kernel.SEQS_PER_PROGRAM) == ("before", "inside", 8)
+    assert kernel.PREFILL_STEP == 128 and tpu.resolved_prefill_step() == 128
     tpu.apply_model_switches(tpu.parse_args([]))  # the defaults: LORA_COND resolved per backend
     assert (llama.LORA_SLICES, llama.LORA_COND, kernel.SEQS_PER_PROGRAM) == ("inside", None, 1)
+    assert kernel.PREFILL_STEP is None and tpu.resolved_prefill_step() == 0  # whole chunks
     assert llama.lora_cond() == "pass" and tpu.resolved_lora_cond() == "pass"  # (XLA:CPU)
     with pytest.raises(SystemExit):
         tpu.parse_args(["--lora-cond", "outside"])
+    with pytest.raises(SystemExit):
+        tpu.parse_args(["--attn-prefill-step", "many"])
+    assert tpu.parse_args(["--kernel-impls", "pallas"]).kernel_impls == ("pallas",)
+    assert tpu.parse_args(["--warmup", "eager"]).warmup == "eager"
 
 
 def test_a_disk_too_small_for_the_run_moves_it_to_dev_shm(tmp_path, monkeypatch):

@@ -1443,6 +1443,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--block-size", type=int, default=None, help="KV positions per block (default: LLM()'s on a TPU, "
                                                                 "a sixteenth of --max-model-len, 16-128)")
+    p.add_argument("--kernel-impls", default="pallas,xla", type=lambda v: tuple(filter(None, v.split(","))),
+                   help="the kernel section's fixed cases: pallas, xla or both (the XLA loop's compile takes "
+                        "minutes; variants are the Pallas kernel's alone)")
     p.add_argument("--kernel-variants", default="", type=parse_kernel_variants,
                    help="extra (block size)x(chunk) pairs for the kernel section, each with optional +nobc (no DMA "
                         "bounds checks), +vmemN (scoped VMEM limit, MiB), +subN (positions a compute step) and +seqsN "
@@ -1511,6 +1514,8 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         rows = results.setdefault("kernel", [])
         for r, ctx, nq in ((64, 1024, 1), (64, 256, 1), (1, 1024, 1), (1, 1024, 256)):
             for impl, chunk in (("pallas", args.attn_chunk or 512), ("xla", args.attn_chunk or 128)):
+                if impl not in args.kernel_impls:
+                    continue
                 rows += bench_kernel(cfg, r, ctx, nq, block_size=args.block_size, chunk=chunk, impls=(impl,))
             _save(out, results)
         for bs, chunk, opts in args.kernel_variants:  # other page and chunk sizes, the Pallas kernel only
