@@ -520,6 +520,7 @@ class ModelRunner:
         if self._background is not None:
             self._background.join()
 
+
 def _abstract(x: Any) -> Any:
     """An array's shape, dtype and sharding (what lowering a step graph reads of it)."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
