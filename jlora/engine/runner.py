@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import jax
@@ -430,42 +430,40 @@ class ModelRunner:
 
     def _compile(self, keys: list[tuple[tuple[int, int, int], bool]], progress: bool = False,
                  stage: str = "step", stop: threading.Event | None = None) -> None:
-        """Trace and lower each graph ((shape, with LoRA): Python, one at a time) and hand it to a
-        compile thread at once: XLA compiles outside the GIL on all cores, the next graph's tracing
-        overlaps the last one's compile, and the step graphs do not depend on each other. `stop`:
-        lower no more graphs once set (those handed over still compile)."""
+        """Trace and lower each graph ((shape, with LoRA): Python, one at a time), then compile them on
+        all cores at once: XLA compiles outside the GIL, and the step graphs do not depend on each
+        other. Not overlapped: on XLA:CPU a compile-cache load beside the next graph's tracing crashed
+        the process (a segfault in XLA's executable deserialization). `stop`: lower no more graphs
+        once set, and compile none."""
         if not keys:
             return
-        t0, lowering = time.perf_counter(), 0.0
+        t0 = time.perf_counter()
+        lowered = {}
+        for key in keys:
+            if stop is not None and stop.is_set():
+                return
+            args, static = self.step_inputs(key)
+            # Abstract arguments: a background warm-up lowers while steps donate the cache it would
+            # otherwise hold (and the shapes and shardings are all a lowering reads).
+            lowered[key] = self._step.lower(*jax.tree.map(_abstract, args), **static)
+        t1 = time.perf_counter()
 
-        def build(key: tuple[tuple[int, int, int], bool], lowered: Any) -> None:
+        def build(key: tuple[tuple[int, int, int], bool]) -> None:
             t = time.perf_counter()
             with compile_stats.stage(stage):
-                self._executables[key] = lowered.compile()
+                self._executables[key] = lowered[key].compile()
             self._pending.discard(key)  # after the executable is in: a reader that sees it gone finds it
             self.compile_seconds["graphs"][f"{key[0]}{'' if key[1] else ' base'}"] = time.perf_counter() - t
 
         bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
         with ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1)) as pool:
-            futures = []
-            for key in keys:
-                if stop is not None and stop.is_set():
-                    break
-                t = time.perf_counter()
-                args, static = self.step_inputs(key)
-                # Abstract arguments: a background warm-up lowers while steps donate the cache it would
-                # otherwise hold (and the shapes and shardings are all a lowering reads).
-                lowered = self._step.lower(*jax.tree.map(_abstract, args), **static)
-                lowering += time.perf_counter() - t
-                futures.append(pool.submit(build, key, lowered))
-            for future in as_completed(futures):
-                future.result()
+            for _ in pool.map(build, keys):
                 bar.update(1)
         bar.close()
         # Where warm-up goes (start-up's largest part on a TPU): Python tracing and lowering, one
-        # graph at a time, and the compiles (or persistent-cache loads) beside and after it.
+        # graph at a time, then the compiles (or persistent-cache loads) side by side.
         part = "background_" if stage == compile_stats.BACKGROUND else ""
-        for name, seconds in (("trace_and_lower", lowering), ("compile", time.perf_counter() - t0 - lowering)):
+        for name, seconds in (("trace_and_lower", t1 - t0), ("compile", time.perf_counter() - t1)):
             self.compile_seconds[part + name] = self.compile_seconds.get(part + name, 0.0) + seconds
 
     def warmup(self, progress: bool = True, background: bool = False) -> None:
@@ -490,9 +488,9 @@ class ModelRunner:
         _BACKGROUND_RUNNERS.add(self)
 
     def _compile_pending(self, keys: list[tuple[tuple[int, int, int], bool]]) -> None:
-        """The background warm-up: the decode graphs first (the smallest rows first, the steps a lone
-        request runs), all compiling side by side (one at a time took twice as long on a v5e host);
-        at interpreter exit no more are lowered."""
+        """The background warm-up: every pending graph lowered (the decode graphs first, the smallest
+        rows first), then all compiled side by side (one at a time took twice as long on a v5e
+        host); at interpreter exit none is lowered or compiled any more."""
         t = time.perf_counter()
         try:
             self._compile(sorted(keys, key=lambda k: (k[0][1] > 0, not k[1], k[0])), stage=compile_stats.BACKGROUND,
@@ -514,8 +512,8 @@ class ModelRunner:
         return not self._pending
 
     def stop_background_warmup(self) -> None:
-        """Stop a background warm-up: it lowers no more graphs; those it handed to XLA finish
-        compiling (what interpreter exit waits for)."""
+        """Stop a background warm-up: while lowering it stops at the next graph; once compiling, the
+        compiles finish (what interpreter exit waits for)."""
         self._stop_background.set()
         if self._background is not None:
             self._background.join()
@@ -526,8 +524,8 @@ def _abstract(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
 
 
-# Runners with a background warm-up: at exit each lowers no more graphs and finishes the compiles
-# in flight, so none is left running while JAX shuts its backends down.
+# Runners with a background warm-up: at exit each stops lowering and finishes the compiles it
+# started, so none is left running while JAX shuts its backends down.
 _BACKGROUND_RUNNERS: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
 
 
