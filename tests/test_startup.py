@@ -228,6 +228,16 @@ BACKGROUND = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, 
                   token_buckets=(16, 32), decode_row_buckets=(1, 2), base_graphs="decode")
 
 
+@pytest.fixture
+def no_compile_cache():
+    """The persistent compile cache off (an earlier test may have turned it on for the process): a
+    background warm-up's cache loads beside other XLA work once crashed XLA:CPU (docs/engine.md)."""
+    prev = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", prev)
+
+
 def test_warmup_mode_resolves_by_backend_and_rejects_bad_values(monkeypatch):
     from jlora.llm import resolve_warmup
 
@@ -273,7 +283,8 @@ def test_compile_count_can_leave_out_a_stage():
     assert compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,)) == before_fg
 
 
-def test_background_warmup_serves_from_the_first_graphs_then_all(tiny_dir, tiny_adapters, monkeypatch):
+def test_background_warmup_serves_from_the_first_graphs_then_all(tiny_dir, tiny_adapters, monkeypatch,
+                                                                 no_compile_cache):
     """Held back, the background warm-up has compiled nothing: requests (a burst of short prompts,
     adapters mixed) run on `first_graphs()` alone, compile nothing, and give the tokens they give
     once every graph is compiled."""
@@ -320,7 +331,7 @@ def test_background_warmup_serves_from_the_first_graphs_then_all(tiny_dir, tiny_
     assert alone[0].outputs[0].token_ids == alone_after[0].outputs[0].token_ids
 
 
-def test_background_warmup_failure_is_reported_and_serving_goes_on(tiny_dir, monkeypatch, capsys):
+def test_background_warmup_failure_is_reported_and_serving_goes_on(tiny_dir, monkeypatch, capsys, no_compile_cache):
     from jlora import LLM, SamplingParams
     from jlora.engine.runner import ModelRunner
 
