@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from jlora.bench import BENCHMARKS, run as run_benchmark
-from jlora.engine_args import ATTN_IMPLS, BASE_GRAPHS, DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS
+from jlora.engine_args import ATTN_IMPLS, BASE_GRAPHS, DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS, warmup_flag
 
 
 class CLIError(ValueError):
@@ -138,11 +138,6 @@ def make_llm(args: argparse.Namespace, kwargs: dict[str, Any] | None = None):
     kwargs = engine_kwargs(args) if kwargs is None else kwargs
     return LLM(args.model, warmup=warmup_flag(args),
                weights_cache=not getattr(args, "no_weights_cache", False), **kwargs)
-
-
-def warmup_flag(args: argparse.Namespace) -> str | None:
-    """LLM(warmup=...) from --lazy and --warmup (None: LLM's default for the backend)."""
-    return "lazy" if getattr(args, "lazy", False) else getattr(args, "warmup", None)
 
 
 def check_adapter(path: str, flag: str = "--lora") -> None:

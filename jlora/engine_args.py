@@ -78,3 +78,8 @@ def engine_config(
         base_graphs = default_base_graphs(backend)
     return EngineConfig(max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, block_size=block_size,
                         base_graphs=base_graphs, **buckets, **sizes)
+
+
+def warmup_flag(args: Any) -> str | None:
+    """LLM(warmup=...) from the CLI's --lazy and --warmup (None: LLM's default for the backend)."""
+    return "lazy" if getattr(args, "lazy", False) else getattr(args, "warmup", None)

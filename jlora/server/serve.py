@@ -220,7 +220,7 @@ def serve_main(args: argparse.Namespace) -> int:
     lora_modules, sock, template = check_serve_args(args)
     api_key = args.api_key or os.environ.get("JLORA_API_KEY") or None
     from jlora import LLM
-    from jlora.cli import warmup_flag
+    from jlora.engine_args import warmup_flag
     from jlora.models.loading import DEFAULT_MODEL
     from jlora.server.app import build_app
 
