@@ -198,7 +198,8 @@ class LLM:
         steps = sum(len([g for g in r.config.step_graphs() if g not in r._executables]) for r in self.runners)
         slots = sum(len(r.lora.pools) for r in self.runners)
         if self.progress:
-            later = max(0, steps - 2 * len(self.runners)) if background else 0
+            later = sum(len(set(r.config.step_graphs()) - set(r.config.first_graphs()) - set(r._executables))
+                        for r in self.runners) if background else 0
             self._say(f"compiling {steps + slots} graphs ({steps} step graphs, {slots} set_slot"
                       + (f"; {later} of the step graphs in the background while serving" if later else "")
                       + f"); {_compile_cache_holds()}")

@@ -103,37 +103,43 @@ def test_llm_rejects_bad_sizes_before_loading(monkeypatch):
             jlora.llm.LLM(**kwargs)
 
 
+@pytest.fixture
+def no_compile_cache():
+    """The persistent compile cache off (an earlier test may have turned it on for the process): to
+    count real compiles, and because a background warm-up's cache loads beside other XLA work once
+    crashed XLA:CPU (docs/engine.md)."""
+    prev = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", prev)
+
+
 def _step_compiles() -> dict[str, int]:
     table = compile_stats.stage_table()
     return {s: table.get(s, (0, 0.0))[0] for s in STEP_STAGES}
 
 
 @pytest.mark.slow  # two engines without the compile cache, ~40 s
-def test_lazy_compiles_on_first_use_and_matches_eager(tiny_dir, tiny_adapters):
+def test_lazy_compiles_on_first_use_and_matches_eager(tiny_dir, tiny_adapters, no_compile_cache):
+    """(Real compiles are counted: a persistent-cache hit compiles nothing and would hide them.)"""
     from jlora import LLM, LoRARequest, SamplingParams
 
     path, _ = tiny_dir
     prompts = ["The sea is", "One two three"]
     loras = [LoRARequest("a1", 1, str(tiny_adapters[1])), None]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    # Count real compiles: a persistent-cache hit compiles nothing and would hide them.
-    prev = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        before = _step_compiles()
-        lazy = LLM(path, warmup=False, progress=False, use_compilation_cache=False, **SMALL)
-        assert _step_compiles() == before, "lazy mode compiled a step graph at construction"
-        got = lazy.generate(prompts, params, lora_request=loras)
-        after = _step_compiles()
-        for stage in STEP_STAGES:
-            assert after[stage] > before[stage], f"no {stage} compile shown in the report"
-        assert set(lazy.compile_report(print_table=False)) >= set(STEP_STAGES)
-        eager = LLM(path, progress=False, use_compilation_cache=False, **SMALL)
-        n = compile_stats.compile_count()
-        want = eager.generate(prompts, params, lora_request=loras)
-        assert compile_stats.compile_count() - n == 0  # eager: everything was compiled at start
-    finally:
-        jax.config.update("jax_enable_compilation_cache", prev)
+    before = _step_compiles()
+    lazy = LLM(path, warmup=False, progress=False, use_compilation_cache=False, **SMALL)
+    assert _step_compiles() == before, "lazy mode compiled a step graph at construction"
+    got = lazy.generate(prompts, params, lora_request=loras)
+    after = _step_compiles()
+    for stage in STEP_STAGES:
+        assert after[stage] > before[stage], f"no {stage} compile shown in the report"
+    assert set(lazy.compile_report(print_table=False)) >= set(STEP_STAGES)
+    eager = LLM(path, progress=False, use_compilation_cache=False, **SMALL)
+    n = compile_stats.compile_count()
+    want = eager.generate(prompts, params, lora_request=loras)
+    assert compile_stats.compile_count() - n == 0  # eager: everything was compiled at start
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
     assert lazy.startup_seconds["warmup"] < eager.startup_seconds["warmup"]
@@ -226,16 +232,6 @@ def test_start_says_what_it_is_doing(tiny_dir, tmp_path, capsys):
 # two of `first_graphs()` run every step.
 BACKGROUND = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, max_loras=2, max_lora_rank=24,
                   token_buckets=(16, 32), decode_row_buckets=(1, 2), base_graphs="decode")
-
-
-@pytest.fixture
-def no_compile_cache():
-    """The persistent compile cache off (an earlier test may have turned it on for the process): a
-    background warm-up's cache loads beside other XLA work once crashed XLA:CPU (docs/engine.md)."""
-    prev = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", prev)
 
 
 def test_warmup_mode_resolves_by_backend_and_rejects_bad_values(monkeypatch):
