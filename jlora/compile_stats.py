@@ -37,6 +37,7 @@ def _hit_listener(event: str, **_: object) -> None:
     if event == _CACHE_HIT_EVENT:
         with _lock:
             _cache_hits += 1
+        _local.hits = getattr(_local, "hits", 0) + 1  # recorded by the thread that compiles
 
 
 jax.monitoring.register_event_listener(_hit_listener)
@@ -45,6 +46,11 @@ jax.monitoring.register_event_listener(_hit_listener)
 def cache_hit_count() -> int:
     """Compilations in this process so far that were loaded from the persistent compile cache."""
     return _cache_hits
+
+
+def thread_cache_hit_count() -> int:
+    """Persistent-cache loads in this thread so far (a compile's own thread records its hit)."""
+    return getattr(_local, "hits", 0)
 
 
 def compile_count(exclude: tuple[str, ...] = ()) -> int:

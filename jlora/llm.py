@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence as Seq
+from typing import Any, Callable, Iterator, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +15,13 @@ from tqdm.auto import tqdm
 
 from jlora import compile_stats
 from jlora.adapters.request import LoRARequest
+from jlora.engine import executables
 from jlora.engine_args import ENGINE_DEFAULTS, engine_config
-from jlora.engine.data_parallel import DataParallelEngine
-from jlora.engine.llm_engine import LLMEngine
-from jlora.models.loading import load_model, resolve_model_path
 from jlora.outputs import RequestOutput
 from jlora.sampling import SamplingParams
+
+# The engine, the model loader and the tokenizer (Flax, transformers: 2-5 s on a TPU host) are
+# imported inside LLM(), while the TPU runtime starts in a thread (`start_backend`).
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -109,17 +111,29 @@ class LLM:
         use_compilation_cache: bool = True,
         weights_cache: bool | str | os.PathLike = True,
         adapter_cache: bool | str | os.PathLike = True,
+        executable_cache: bool | str | os.PathLike | None = None,
         progress: bool = True,
     ):
         t0 = time.perf_counter()
-        warmup = resolve_warmup(warmup)
+        backend_started = start_backend()  # the TPU runtime's start overlaps the imports below
         v = max_cpu_lora_bytes
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ValueError(f"max_cpu_lora_bytes must be None or an int >= 0, got {v!r}")
         if not isinstance(adapter_cache, (bool, str, os.PathLike)):
             raise ValueError(f"adapter_cache must be a bool or a directory, got {adapter_cache!r}")
+        if not isinstance(executable_cache, (bool, str, os.PathLike)) and executable_cache is not None:
+            raise ValueError(f"executable_cache must be None, a bool or a directory, got {executable_cache!r}")
+        from jlora.engine.data_parallel import DataParallelEngine
+        from jlora.engine.llm_engine import LLMEngine
+        from jlora.models import weights_cache as wc
+        from jlora.models.loading import load_model, read_model_config, resolve_model_path
         from jlora.models.quant import check_quantization
+        from jlora.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
+        t_imports = time.perf_counter()
+        runtime_wait = backend_started()
+        t_runtime = time.perf_counter()
+        warmup = resolve_warmup(warmup)
         self.quantization = check_quantization(quantization)
         self.dtype = dtype
         self.config = engine_config(
@@ -139,12 +153,21 @@ class LLM:
         self.progress = progress
         if use_compilation_cache:
             enable_compilation_cache(compilation_cache_dir)
-        from jlora.models import weights_cache as wc
-        from jlora.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
-
         cache = None
         if weights_cache and wc.cache_enabled():
             cache = wc.open_cache(weights_cache_dir(compilation_cache_dir) if weights_cache is True else weights_cache)
+        # The step graphs compiled by an earlier start of this engine, read while the weights stream in.
+        model_cfg = read_model_config(path)
+        store = None
+        if executable_cache_wanted(executable_cache, use_compilation_cache, len(device_groups),
+                                   tensor_parallel_size):
+            store = open_executable_store(executable_cache, compilation_cache_dir, device_groups[0], model_cfg,
+                                          dtype, self.quantization, self.config)
+        # Read beside the weights' transfer on a TPU; on XLA:CPU a deserialization beside other
+        # XLA work has crashed the process (docs/tpu.md, eighth pass), so there it waits its turn.
+        if store is not None and warmup != "lazy" and jax.default_backend() == "tpu":
+            store.prefetch(executables.graph_name(g) for g in
+                           (self.config.first_graphs() if warmup == "background" else self.config.step_graphs()))
         if progress:
             self._say(f"loading weights from {path}: {_weights_source(path, cache, _DTYPES[dtype], self.quantization)}")
         t1 = time.perf_counter()
@@ -173,10 +196,20 @@ class LLM:
             adapter_cache = adapter_cache_dir(compilation_cache_dir)
         self.engine.adapters.set_disk_cache(adapter_cache)
         self.engine.adapters.set_max_cpu_lora_bytes(max_cpu_lora_bytes)
+        if store is not None and cfg != model_cfg:  # the loaded config is not the one the key was made of
+            store = open_executable_store(executable_cache, compilation_cache_dir, device_groups[0], cfg,
+                                          dtype, self.quantization, self.config)
+        self.executable_store = store
+        for runner in self.runners:
+            runner.executable_store = store
         t4 = time.perf_counter()
-        # Where the start-up went, in seconds (`jlora bench start` reports these).
+        # Where the start-up went, in seconds (`jlora bench start` reports these). "imports" are the
+        # engine's and tokenizer's modules, imported while the backend started; "runtime" is what
+        # was left of the backend's start after them (its whole start: `runtime_start`).
         self.startup_seconds: dict[str, float] = {
-            "validate": t_checked - t0, "imports": t1 - t_checked, "load_weights": t2 - t1, "tokenizer": t3 - t2, "engine_init": t4 - t3}
+            "imports": t_imports - t0, "runtime": t_runtime - t_imports, "runtime_start": runtime_wait,
+            "validate": t_checked - t_runtime, "open_caches": t1 - t_checked, "load_weights": t2 - t1,
+            "tokenizer": t3 - t2, "engine_init": t4 - t3}
         self.warmup_mode = warmup
         if warmup != "lazy":
             self.warmup(background=warmup == "background")
@@ -184,7 +217,7 @@ class LLM:
             self._say("lazy start (warmup=False): each graph compiles the first time a batch needs it")
         self.startup_seconds["warmup"] = time.perf_counter() - t4
         if warmup != "lazy":  # its parts: tracing and lowering the step graphs, then compiling (or loading) them
-            for part in ("trace_and_lower", "compile"):
+            for part in ("load_stored", "trace_and_lower", "compile"):
                 self.startup_seconds[f"warmup_{part}"] = sum(r.compile_seconds[part] for r in self.runners)
 
     @property
@@ -205,13 +238,17 @@ class LLM:
                       + f"); {_compile_cache_holds()}")
         t = time.perf_counter()
         n, hits = compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,)), compile_stats.cache_hit_count()
+        stored = sum(len(r.loaded_graphs) for r in self.runners)
         for runner in self.runners:
             runner.warmup(progress=self.progress, background=background)
         if self.progress:
             n = compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,)) - n
             hits = compile_stats.cache_hit_count() - hits
+            stored = sum(len(r.loaded_graphs) for r in self.runners) - stored
             self._say(f"warm-up done in {time.perf_counter() - t:.1f} s: {n} graphs compiled ({hits} of them "
-                      f"loaded from the compile cache)" + ("; serving while the rest compile" if background else ""))
+                      f"loaded from the compile cache)"
+                      + (f", {stored} step graphs loaded as stored executables, untraced" if stored else "")
+                      + ("; serving while the rest compile" if background else ""))
 
     def wait_for_warmup(self, timeout: float | None = None) -> bool:
         """Wait for a background warm-up (`warmup="background"`) to compile its graphs; True when every
@@ -426,6 +463,58 @@ def _weights_source(path: Path, cache: Any, dtype: Any, quantization: str | None
     if (entry / META_FILE).is_file():
         return f"weights cache hit ({entry})"
     return f"weights cache miss, {convert} and caching it in {cache.root}"
+
+
+def start_backend() -> Callable[[], float]:
+    """Start JAX's backends (on a v5e host the TPU runtime takes 5-8 s) in a thread, so what needs no
+    device (imports, config files) is done meanwhile. Returns a function that waits for the start
+    and gives its seconds (0 when the backends were already up). A failed start is raised by the
+    next JAX call that needs a backend, as without the thread."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return lambda: 0.0
+    took: list[float] = []
+
+    def start() -> None:
+        t = time.perf_counter()
+        try:
+            jax.devices()
+        except Exception:  # noqa: BLE001 (the caller's next JAX call raises it with its own context)
+            pass
+        took.append(time.perf_counter() - t)
+
+    thread = threading.Thread(target=start, name="jlora-backend-start", daemon=True)
+    thread.start()
+
+    def wait() -> float:
+        thread.join()
+        return took[0] if took else 0.0
+    return wait
+
+
+def executable_cache_wanted(executable_cache: bool | str | os.PathLike | None, use_compilation_cache: bool,
+                            engines: int, tensor_parallel_size: int) -> bool:
+    """Whether LLM() keeps its step graphs as serialized executables (`jlora.engine.executables`):
+    None (the default) on one TPU host with the compile cache on, where tracing is seconds of a warm
+    start; True anywhere a single engine runs on one device; False never."""
+    if executable_cache is False or engines != 1 or tensor_parallel_size != 1 or jax.process_count() != 1:
+        return False
+    if executable_cache is None:
+        return use_compilation_cache and jax.default_backend() == "tpu"
+    return True
+
+
+def open_executable_store(executable_cache: bool | str | os.PathLike | None,
+                          compilation_cache_dir: str | os.PathLike | None, devices: Seq[Any], model_cfg: Any,
+                          dtype: str, quantization: str, config: Any) -> executables.ExecutableStore | None:
+    """The executable store of this engine: keyed by the code, the platform and devices, the model's
+    config, dtype and quantization and the engine's config (`executables.fingerprint`)."""
+    if compilation_cache_dir is None and jax.config.jax_compilation_cache_dir:
+        compilation_cache_dir = jax.config.jax_compilation_cache_dir
+    key = executables.fingerprint(devices, f"model={model_cfg!r}", f"dtype={dtype}", f"quantization={quantization}",
+                                  f"engine={config!r}")
+    return executables.open_store(True if executable_cache is None else executable_cache, key, compilation_cache_dir)
 
 
 WARMUP_MODES = {True: "eager", False: "lazy", "eager": "eager", "lazy": "lazy", "background": "background"}

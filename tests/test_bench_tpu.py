@@ -196,6 +196,8 @@ def test_model_switches_reach_the_model(monkeypatch):
         tpu.parse_args(["--attn-prefill-step", "many"])
     assert tpu.parse_args(["--kernel-impls", "pallas"]).kernel_impls == ("pallas",)
     assert tpu.parse_args(["--warmup", "eager"]).warmup == "eager"
+    assert tpu.parse_args(["--executable-cache", "off"]).executable_cache == "off"
+    assert tpu.parse_args([]).executable_cache == "auto"
 
 
 def test_a_disk_too_small_for_the_run_moves_it_to_dev_shm(tmp_path, monkeypatch):

@@ -91,11 +91,12 @@ def test_engine_config_checks_arguments_alone():
 
 def test_llm_rejects_bad_sizes_before_loading(monkeypatch):
     import jlora.llm
+    import jlora.models.loading
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(jlora.llm, "load_model", no_load)
+    monkeypatch.setattr(jlora.models.loading, "load_model", no_load)  # LLM() imports it when called
     for kwargs, word in [(dict(max_model_len=0), "max_model_len"), (dict(lora_impl="x"), "lora_impl"),
                          (dict(dtype="int8"), "dtype"), (dict(token_buckets=(1, 3)), "token_buckets"),
                          (dict(model="/no/such/model.gguf"), "does not exist")]:
@@ -362,3 +363,178 @@ def test_warmup_flag_of_generate_and_serve():
     assert flag("generate", "hi", "--lazy") == flag("demo", "--warmup", "lazy") == "lazy"
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--warmup", "sometimes"])
+
+
+# ---- stored executables (jlora.engine.executables) ---------------------------------------------------
+
+
+def test_stored_executables_skip_tracing_and_give_the_same_tokens(tiny_dir, tiny_adapters, tmp_path,
+                                                                 no_compile_cache):
+    """A second engine of the same config takes its step graphs from the store: nothing traced or
+    compiled for them, the same tokens. (The first compiles for real: a persistent-cache load is not
+    stored, see `executables`.)"""
+    from jlora import LLM, LoRARequest, SamplingParams
+    from jlora.engine.runner import wait_for_stored_executables
+
+    path, _ = tiny_dir
+    store = tmp_path / "executables"
+    kw = dict(warmup=False, progress=False, use_compilation_cache=False, executable_cache=store, **SMALL)
+    prompts = ["The sea is", "One two three"]
+    loras = [LoRARequest("a1", 1, str(tiny_adapters[1])), None]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = LLM(path, **kw)
+    want = first.generate(prompts, params, lora_request=loras)
+    used = set(first.runners[0]._executables)
+    wait_for_stored_executables()
+    assert first.executable_store.stats["writes"] == len(used) > 0
+    assert sorted(f.name for f in first.executable_store.dir.iterdir()) == sorted(
+        f"{executables_name(k)}.pkl" for k in used)
+
+    second = LLM(path, **kw)
+
+    class NotTraced:
+        def lower(self, *a, **k):
+            raise AssertionError("a step graph was traced")
+
+    runner = second.runners[0]
+    runner._step = NotTraced()
+    n = compile_stats.compile_count()
+    got = second.generate(prompts, params, lora_request=loras)
+    assert runner.loaded_graphs == used  # every graph the run needed, from the store
+    assert _step_compiles_since(n) == 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+    # Another engine config is another fingerprint: nothing of the first is taken.
+    other = LLM(path, **{**kw, "max_num_seqs": 3})
+    assert other.executable_store.key != first.executable_store.key
+    assert other.executable_store.get(executables_name(next(iter(used)))) is None
+
+
+def executables_name(key) -> str:
+    from jlora.engine.executables import graph_name
+
+    return graph_name(key)
+
+
+def _step_compiles_since(n: int) -> int:
+    return compile_stats.compile_count() - n
+
+
+def test_executable_fingerprint_covers_switches_and_configs(tiny_dir, monkeypatch):
+    from jlora.engine import executables
+    from jlora.llm import open_executable_store
+    from jlora.models import llama
+
+    devices = jax.devices()[:1]
+    cfg = engine_config(**SMALL)
+    key = executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
+    assert key == executables.fingerprint(devices, "model=a", f"engine={cfg!r}")  # stable
+    assert key != executables.fingerprint(devices, "model=b", f"engine={cfg!r}")
+    monkeypatch.setattr(llama, "LORA_COND", "pass")  # a bench's trace-time switch
+    assert "jlora.models.llama.LORA_COND='pass'" in executables.module_switches()
+    assert key != executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+    monkeypatch.undo()
+    assert key == executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
+    with monkeypatch.context() as m:
+        m.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+        assert key != executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
+    with monkeypatch.context() as m:
+        m.setattr(executables, "_source_digest", "0" * 64)  # edited code
+        assert key != executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
+    # Off by the environment, and by default off the TPU.
+    with monkeypatch.context() as m:
+        m.setenv("JLORA_EXECUTABLE_CACHE", "0")
+        assert open_executable_store(True, None, devices, "cfg", "float32", "none", cfg) is None
+
+
+def test_executable_cache_option_resolution_and_bad_values(tmp_path):
+    from jlora import LLM
+    from jlora.llm import executable_cache_wanted
+
+    assert executable_cache_wanted(None, True, 1, 1) is False  # the CPU: off unless asked
+    assert executable_cache_wanted(True, False, 1, 1) is True
+    assert executable_cache_wanted(tmp_path, True, 1, 1) is True
+    assert executable_cache_wanted(True, True, 2, 1) is False  # data parallel: one engine only
+    assert executable_cache_wanted(True, True, 1, 2) is False  # tensor parallel: one device only
+    assert executable_cache_wanted(False, True, 1, 1) is False
+    with pytest.raises(ValueError, match="executable_cache"):
+        LLM(executable_cache=3)
+
+
+def test_a_damaged_or_mismatched_stored_executable_is_a_miss(tiny_dir, tmp_path, no_compile_cache, caplog):
+    from jlora import LLM, SamplingParams
+    from jlora.engine import executables
+    from jlora.engine.runner import wait_for_stored_executables
+
+    path, _ = tiny_dir
+    kw = dict(warmup=False, progress=False, use_compilation_cache=False, executable_cache=tmp_path / "ex", **SMALL)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = LLM(path, **kw)
+    want = first.generate(["The sea is"], params)[0].outputs[0].token_ids
+    wait_for_stored_executables()
+    files = sorted(first.executable_store.dir.glob("*.pkl"))
+    assert files
+    files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
+    second = LLM(path, **kw)
+    with caplog.at_level("WARNING", logger="jlora.engine.executables"):
+        got = second.generate(["The sea is"], params)[0].outputs[0].token_ids
+    assert got == want
+    assert second.executable_store.stats["errors"] >= 1 and "unreadable" in caplog.text
+    # A stored graph whose arguments are not the runner's is not installed.
+    runner = second.runners[0]
+    key = next(iter(runner._executables))
+    compiled = runner._executables[key]
+    args, _ = runner.step_inputs(key)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                            if isinstance(x, jax.Array) else x, args)
+    assert executables.matches(compiled, abstract)
+    wrong = list(abstract)
+    wrong[3] = jax.ShapeDtypeStruct((wrong[3].shape[0] + 1,), wrong[3].dtype, sharding=wrong[3].sharding)
+    assert not executables.matches(compiled, tuple(wrong))
+
+
+def test_backend_start_runs_beside_the_imports():
+    from jlora.llm import start_backend
+
+    jax.devices()
+    assert start_backend()() == 0.0  # already up: nothing to wait for
+    code = ("import time, jax\nfrom jlora.llm import start_backend\n"
+            "wait = start_backend()\nimport jlora.engine.llm_engine\nprint('took', wait())\n"
+            "print(jax.default_backend())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    took = float(out.stdout.split("took")[1].split()[0])
+    assert took > 0 and out.stdout.strip().endswith("cpu")
+
+
+def test_a_compile_cache_load_is_not_stored(tiny_dir, tmp_path):
+    """XLA:CPU re-serializes an executable loaded from the persistent compile cache without its
+    kernels ("Function wrapped_iota not found" when it runs), so only graphs compiled in this
+    process are stored. Fresh processes: JAX keeps the first compile cache directory it opened."""
+    import json
+
+    path, _ = tiny_dir
+    code = (
+        "import json, sys, jax\n"
+        "from jlora import LLM, SamplingParams, compile_stats\n"
+        "from jlora.engine.runner import wait_for_stored_executables\n"
+        "llm = LLM(sys.argv[1], warmup=False, progress=False, compilation_cache_dir=sys.argv[2],\n"
+        "          executable_cache=sys.argv[3], **json.loads(sys.argv[4]))\n"
+        "out = llm.generate(['The sea is'], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))\n"
+        "wait_for_stored_executables()\n"
+        "print('RESULT', json.dumps(dict(tokens=out[0].outputs[0].token_ids, hits=compile_stats.cache_hit_count(),\n"
+        "                                writes=llm.executable_store.stats['writes'])))\n")
+
+    def start(store: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "xla"), str(tmp_path / store),
+                              json.dumps(SMALL)], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.split("RESULT", 1)[1])
+
+    fresh = start("a")
+    assert fresh["writes"] > 0 and fresh["hits"] == 0
+    loaded = start("b")  # the same compile cache, an empty store
+    assert loaded["hits"] > 0  # its graphs came from the compile cache...
+    assert loaded["writes"] == 0  # ...so none was stored
+    assert loaded["tokens"] == fresh["tokens"]

@@ -737,13 +737,17 @@ def engine_sizes(args: argparse.Namespace) -> dict[str, Any]:
 def apply_model_switches(args: argparse.Namespace) -> None:
     """The model's trace-time experiment switches (`--lora-slices`, `--lora-cond`,
     `--attn-seqs-per-program`), for the engine and layers sections."""
-    from jlora.kernels import paged_attention_tpu as kernel
-    from jlora.models import llama
+    import importlib
 
-    for module, flag, name, default in ((llama, "lora_slices", "LORA_SLICES", "inside"),
-                                        (llama, "lora_cond", "LORA_COND", "auto"),
-                                        (kernel, "attn_seqs_per_program", "SEQS_PER_PROGRAM", 1),
-                                        (kernel, "attn_prefill_step", "PREFILL_STEP", "auto")):
+    for module_name, flag, name, default in (("jlora.models.llama", "lora_slices", "LORA_SLICES", "inside"),
+                                             ("jlora.models.llama", "lora_cond", "LORA_COND", "auto"),
+                                             ("jlora.kernels.paged_attention_tpu", "attn_seqs_per_program",
+                                              "SEQS_PER_PROGRAM", 1),
+                                             ("jlora.kernels.paged_attention_tpu", "attn_prefill_step",
+                                              "PREFILL_STEP", "auto")):
+        if getattr(args, flag) == default and module_name not in sys.modules:
+            continue  # its default, and not imported yet: the warm section's LLM() imports it, timed
+        module = importlib.import_module(module_name)
         if hasattr(module, name):  # (an older jlora has no choice)
             value = getattr(args, flag)
             setattr(module, name, None if value == "auto" else value)
@@ -784,6 +788,8 @@ def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_i
         extra["base_graphs"] = args.base_graphs
     if args.warmup != "auto":
         extra["warmup"] = args.warmup
+    if args.executable_cache != "auto":
+        extra["executable_cache"] = args.executable_cache == "on"
     return LLM(str(ckpt), dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
                max_num_seqs=sizes["max_num_seqs"], max_num_batched_tokens=sizes["max_num_batched_tokens"],
                token_buckets=sizes["token_buckets"], decode_row_buckets=sizes["decode_row_buckets"], max_loras=4,
@@ -1422,6 +1428,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-slices", default="inside", choices=["inside", "before"],
                    help="engine: where a layer's LoRA slots are sliced, inside the conditional or before it "
                         "(jlora.models.llama.LORA_SLICES; an experiment)")
+    p.add_argument("--executable-cache", default="auto", choices=["auto", "on", "off"],
+                   help="LLM(executable_cache=...) for engine and warm: step graphs kept as serialized executables, "
+                        "so a warm start skips tracing them (auto: on on a TPU)")
     p.add_argument("--warmup", default="auto", choices=["auto", "eager", "background"],
                    help="LLM(warmup=...) for engine and warm (auto: LLM()'s default, background on a TPU)")
     p.add_argument("--lora-cond", default="auto", choices=["auto", "pass", "inside"],
@@ -1564,15 +1573,24 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
 
         from jlora import compile_stats
 
+        # From before the TPU runtime's start: LLM() starts it in a thread beside its imports (an
+        # older jlora started it here, first: then `runtime_start_s` is measured here).
         t1, n0 = time.perf_counter(), compile_stats.compile_count()
-        jax.devices()  # the TPU runtime's own start, apart from jlora's
-        runtime_start = time.perf_counter() - t1
+        from jlora import llm as llm_module
+
+        runtime_start = None
+        if not hasattr(llm_module, "start_backend"):
+            jax.devices()
+            runtime_start = time.perf_counter() - t1
         llm = make_llm(ckpt, args, sizes)
         res = results.setdefault(tag, {})
         res["warm_start_s"] = time.perf_counter() - t1
-        res["warm"] = dict(start_s=res["warm_start_s"], **ready_then_all(llm, t1), runtime_start_s=runtime_start,
-                           startup_seconds=getattr(llm, "startup_seconds", {}),
+        startup = getattr(llm, "startup_seconds", {})
+        store = getattr(llm, "executable_store", None)
+        res["warm"] = dict(start_s=res["warm_start_s"], **ready_then_all(llm, t1),
+                           runtime_start_s=startup.get("runtime_start", runtime_start), startup_seconds=startup,
                            weights_cache_hit=getattr(llm, "weights_cache_hit", None),
+                           executable_store=None if store is None else dict(store.stats),
                            compiles=compile_stats.compile_count() - n0, cache_hits=compile_stats.cache_hit_count())
         print(f"warm start {tag} (LLM(), compile and weights caches filled by an earlier process): "
               f"{res['warm_start_s']:.1f} s {json.dumps(res['warm'])}", flush=True)

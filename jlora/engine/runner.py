@@ -34,7 +34,9 @@ from tqdm.auto import tqdm
 
 from jlora import compile_stats
 from jlora.adapters.manager import LoRASlots, SlotWrite
+from jlora.engine import executables
 from jlora.engine.config import EngineConfig
+from jlora.engine.executables import ExecutableStore, graph_name
 from jlora.engine.structured import fill_mask
 from jlora.kernels.paged_attention_tpu import cache_lanes, default_chunk
 from jlora.models import quant
@@ -225,7 +227,8 @@ class ModelRunner:
         # ((R, P, Q), with LoRA) -> compiled step (EngineConfig.step_graphs)
         self._executables: dict[tuple[tuple[int, int, int], bool], Any] = {}
         self._base_shapes = frozenset(config.base_graph_shapes())  # shapes with a graph without LoRA too
-        self.compile_seconds: dict[str, Any] = {"trace_and_lower": 0.0, "compile": 0.0, "graphs": {}}
+        self.compile_seconds: dict[str, Any] = {"load_stored": 0.0, "trace_and_lower": 0.0, "compile": 0.0,
+                                                "graphs": {}}
         self._out_layouts: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> how its packed outputs unpack
         # A background warm-up's graphs not compiled yet (`warmup(background=True)`), the thread that
         # compiles them, and what it raised.
@@ -234,6 +237,10 @@ class ModelRunner:
         self._stop_background = threading.Event()
         self.background_error: BaseException | None = None
         self._resident: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}  # rows -> `_defaults`
+        # Serialized step graphs of an earlier start (jlora.engine.executables; LLM sets it), and
+        # the graphs taken from it instead of compiled.
+        self.executable_store: ExecutableStore | None = None
+        self.loaded_graphs: set[tuple[tuple[int, int, int], bool]] = set()
 
     def _place(self, path: tuple[Any, ...], w: Any) -> jax.Array:
         """One weight on the mesh: in the shard-major column order and sharded by its name
@@ -438,6 +445,11 @@ class ModelRunner:
         if not keys:
             return
         t0 = time.perf_counter()
+        store = self.executable_store
+        if store is not None:
+            store.prefetch(graph_name(k) for k in keys)
+            keys = [k for k in keys if not self._load_stored(k, store)]
+        t_loaded = time.perf_counter()
         lowered = {}
         for key in keys:
             if stop is not None and stop.is_set():
@@ -449,22 +461,49 @@ class ModelRunner:
         t1 = time.perf_counter()
 
         def build(key: tuple[tuple[int, int, int], bool]) -> None:
-            t = time.perf_counter()
+            t, hits = time.perf_counter(), compile_stats.thread_cache_hit_count()
             with compile_stats.stage(stage):
-                self._executables[key] = lowered[key].compile()
+                compiled = lowered[key].compile()
+            compiled_here = compile_stats.thread_cache_hit_count() == hits
+            self._executables[key] = compiled
             self._pending.discard(key)  # after the executable is in: a reader that sees it gone finds it
             self.compile_seconds["graphs"][f"{key[0]}{'' if key[1] else ' base'}"] = time.perf_counter() - t
+            # Written off the warm-up's path (serving does not wait for the disk), and only when
+            # compiled here: XLA:CPU re-serializes a compile-cache load without its kernels (it then
+            # fails to run: "Function wrapped_iota not found").
+            if store is not None and compiled_here:
+                _STORE_WRITES.submit(store.put, graph_name(key), compiled, self._out_layouts[key[0]])
 
-        bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
-        with ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1)) as pool:
-            for _ in pool.map(build, keys):
-                bar.update(1)
-        bar.close()
-        # Where warm-up goes (start-up's largest part on a TPU): Python tracing and lowering, one
-        # graph at a time, then the compiles (or persistent-cache loads) side by side.
+        if keys:
+            bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
+            with ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1)) as pool:
+                for _ in pool.map(build, keys):
+                    bar.update(1)
+            bar.close()
+        # Where warm-up goes (start-up's largest part on a TPU): stored executables loaded, Python
+        # tracing and lowering, one graph at a time, then the compiles (or persistent-cache loads)
+        # side by side.
         part = "background_" if stage == compile_stats.BACKGROUND else ""
-        for name, seconds in (("trace_and_lower", t1 - t0), ("compile", time.perf_counter() - t1)):
+        for name, seconds in (("load_stored", t_loaded - t0), ("trace_and_lower", t1 - t_loaded),
+                              ("compile", time.perf_counter() - t1)):
             self.compile_seconds[part + name] = self.compile_seconds.get(part + name, 0.0) + seconds
+
+    def _load_stored(self, key: tuple[tuple[int, int, int], bool], store: ExecutableStore) -> bool:
+        """Install the graph `key` from the executable store; False when it is not there or does not
+        take this runner's arguments (then it compiles as usual)."""
+        got = store.get(graph_name(key))
+        if got is None:
+            return False
+        compiled, out_layout = got
+        args, _ = self.step_inputs(key)
+        if not executables.matches(compiled, jax.tree.map(_abstract, args)):
+            return False
+        self._out_layouts[key[0]] = out_layout
+        self._executables[key] = compiled
+        self._pending.discard(key)
+        self.compile_seconds["graphs"][f"{key[0]}{'' if key[1] else ' base'}"] = 0.0
+        self.loaded_graphs.add(key)
+        return True
 
     def warmup(self, progress: bool = True, background: bool = False) -> None:
         """Compile the slot write and every step graph once, before the first request.
@@ -522,6 +561,14 @@ class ModelRunner:
 def _abstract(x: Any) -> Any:
     """An array's shape, dtype and sharding (what lowering a step graph reads of it)."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+
+
+# Stored executables are written by one thread, after the compile: a warm-up never waits for them.
+_STORE_WRITES = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jlora-executable-writes")
+
+def wait_for_stored_executables() -> None:
+    """Wait until the executables handed to the store so far are written."""
+    _STORE_WRITES.submit(lambda: None).result()
 
 
 # Runners with a background warm-up: at exit each stops lowering and finishes the compiles it
