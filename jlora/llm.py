@@ -74,6 +74,12 @@ class LLM:
     the adapter's content, so a restart or a second engine reads instead of converting; False turns
     it off (so does JLORA_ADAPTER_CACHE=0); a path puts it there. The host cache of converted adapters
     holds at most `max_cpu_loras` of them and, when given, at most `max_cpu_lora_bytes` bytes.
+
+    executable_cache keeps each compiled step graph as a serialized executable, keyed by the code,
+    the platform and both configs (`jlora.engine.executables`), so a later start of the same engine
+    loads it without tracing: None (the default) on one TPU host with the compile cache on, True
+    wherever one engine runs on one device, a path puts it there, False (or
+    JLORA_EXECUTABLE_CACHE=0) turns it off.
     """
 
     def __init__(
@@ -469,7 +475,12 @@ def start_backend() -> Callable[[], float]:
     """Start JAX's backends (on a v5e host the TPU runtime takes 5-8 s) in a thread, so what needs no
     device (imports, config files) is done meanwhile. Returns a function that waits for the start
     and gives its seconds (0 when the backends were already up). A failed start is raised by the
-    next JAX call that needs a backend, as without the thread."""
+    next JAX call that needs a backend, as without the thread.
+
+    (A smaller TPU_PREMAPPED_BUFFER_SIZE, the host buffer libtpu pins at its start, starts the
+    runtime in 2.3-3.7 s instead of 5.4-8 s on a v5e host, but it is not set here: with 1-2 GiB the
+    background warm-up's executable loads then took 34-37 s instead of 13-14 s and held a first
+    request 17-21 s; docs/tpu.md, ninth pass.)"""
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():

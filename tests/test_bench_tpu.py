@@ -170,7 +170,7 @@ def test_layer_stack_bench_times_every_lora_variant():
     cases = {("none", None), ("off", "skip"), ("mixed", "skip"), ("mixed", "all")}
     assert {(r["tokens"], r["lora"], r["cond"]) for r in rows} == {(t, *c) for t in (1, 70) for c in cases}
     assert all(r["us"] > 0 for r in rows) and {r["lora_cond"] for r in rows} == {"pass"}
-    assert {r["lora_fused"] for r in rows} == {"off"}  # (XLA:CPU's default)
+    assert {r["lora_fused"] for r in rows} == {"off"}  # (the default)
 
 
 def test_model_switches_reach_the_model(monkeypatch):
@@ -292,3 +292,18 @@ def test_kernel_rows_name_their_page_chunk_and_knobs():
     assert [(r["impl"], r["block_size"], r["chunk"], r.get("kernel_opts")) for r in got] == [
         ("pallas", 16, 32, {"bounds_checks": False}), ("xla", 16, 32, None)]
     assert all(r["us"] > 0 and r["max_err"] < 1e-2 for r in got)
+
+
+def test_runtime_section_times_the_backend_start_imports_and_transfers(tmp_path):
+    """`--sections runtime` (here on the CPU): one fresh process per TPU_PREMAPPED_BUFFER_SIZE value
+    with its start and a 512 MB transfer each way, then LLM()'s imports alone and beside the start."""
+    args = tpu.parse_args(["--sections", "runtime", "--premapped-sizes", "default,1073741824",
+                           "--out", str(tmp_path)])
+    rows = tpu.bench_runtime(args, tmp_path, {})["runtime"]
+    assert [(r["mode"], r["premapped"]) for r in rows] == [
+        ("runtime", "default"), ("runtime", "1073741824"), ("imports", "default"), ("both", "default")]
+    for r in rows[:2]:
+        assert r["runtime_s"] > 0 and len(r["put_512mb_s"]) == 3 and r["get_512mb_s"] > 0
+    assert rows[2]["imports_s"] > 0 and rows[3]["both_s"] >= rows[3]["imports_s"] > 0
+    assert json.loads((tmp_path / "results.json").read_text())["runtime"] == rows
+    assert tpu.plan_processes(["checkpoint", "runtime", "engine"]) == [["checkpoint"], ["runtime"], ["engine"]]

@@ -157,6 +157,9 @@ def test_fused_path_is_off_on_the_cpu_by_default_and_skips_what_does_not_qualify
     assert run(x, slot_ids=ids, splits=(256, 192, 64)) is None  # no 128-column tile divides 192 and 64
     assert run(x, slot_ids=ids, splits=(256, 128, 128), lora_impl="grouped") is None
     assert run(x.astype(jnp.bfloat16), slot_ids=ids, splits=(256, 128, 128)) is None  # x and W dtypes differ
+    monkeypatch.setattr(llama, "LORA_FUSED", "packed")  # q|k|v and gate|up only
+    assert run(x, slot_ids=ids, splits=(256, 128, 128)) is not None
+    assert run(x, slot_ids=ids, splits=None, pool={"A": a[:, :, :, :4], "B": b}) is None
     monkeypatch.setattr(llama, "LORA_FUSED", "sideways")
     with pytest.raises(ValueError, match="LORA_FUSED"):
         llama.lora_fused()

@@ -32,6 +32,9 @@ feeds token-id prompts. Sections (`--sections`, in the order given):
   agree       int8-weight-only and int8 against bf16 at the 1B shape (its own checkpoint):
               teacher-forced top-1 agreement and logit differences on a few token-id prompts
   warm        a second process starting the same engine (persistent compile and weights caches)
+  runtime     the TPU runtime's start in fresh processes for each `--premapped-sizes` value of
+              TPU_PREMAPPED_BUFFER_SIZE, with a 512 MB transfer each way; LLM()'s imports alone and
+              beside the runtime's start (`jlora.llm.start_backend`)
 
 One process at a time can hold the chip, so every section that uses it runs in a fresh process of
 its own (kernel, qmatmul and engine, when next to each other, share one); `--in-process` runs them
@@ -1131,6 +1134,72 @@ def _np_dtype(name: str) -> Any:
     return {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[name]
 
 
+# One fresh process of the runtime section: "runtime" times JAX's TPU start and a 512 MB transfer
+# each way; "imports" the modules LLM() imports (the engine, the loader, the tokenizer) without a
+# backend; "both" the two side by side, as LLM() does (`jlora.llm.start_backend`).
+_RUNTIME_CHILD = r"""
+import json, os, sys, time
+mode = sys.argv[1]
+t0 = time.perf_counter()
+import jax, numpy as np
+t1 = time.perf_counter()
+r = dict(mode=mode, premapped=os.environ.get("TPU_PREMAPPED_BUFFER_SIZE", "default"), import_jax_s=t1 - t0)
+if mode == "runtime":
+    jax.devices()
+    r["runtime_s"] = time.perf_counter() - t1
+    x = np.ones((512 << 20) // 2, np.float16)
+    puts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        jax.device_put(x).block_until_ready()
+        puts.append(time.perf_counter() - t)
+    y = jax.device_put(x).block_until_ready()
+    t = time.perf_counter()
+    np.asarray(y)
+    r.update(put_512mb_s=puts, get_512mb_s=time.perf_counter() - t)
+elif mode == "imports":
+    import jlora.engine.llm_engine, jlora.models.loading, jlora.tokenizer
+    r["imports_s"] = time.perf_counter() - t1
+else:
+    from jlora.llm import start_backend
+    wait = start_backend()
+    import jlora.engine.llm_engine, jlora.models.loading, jlora.tokenizer
+    r["imports_s"] = time.perf_counter() - t1
+    r["runtime_s"] = wait()
+    r["both_s"] = time.perf_counter() - t1
+print("RUNTIME " + json.dumps(r), flush=True)
+"""
+
+
+def bench_runtime(args: argparse.Namespace, out: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """The TPU runtime's start in fresh processes, for each `--premapped-sizes` value of
+    TPU_PREMAPPED_BUFFER_SIZE (the host buffer libtpu pins at its start; "default": unset), with a
+    512 MB transfer each way (a transfer larger than the buffer takes a slower path); then LLM()'s
+    imports alone and beside the runtime's start."""
+    rows = results.setdefault("runtime", [])
+    runs = [("runtime", size) for size in args.premapped_sizes.split(",")] + [("imports", "default"),
+                                                                             ("both", "default")]
+    for mode, size in runs:
+        env = {k: v for k, v in os.environ.items() if k != "TPU_PREMAPPED_BUFFER_SIZE"}
+        if size != "default":
+            env["TPU_PREMAPPED_BUFFER_SIZE"] = size
+        proc = subprocess.run([sys.executable, "-c", _RUNTIME_CHILD, mode], env=env, capture_output=True, text=True,
+                              timeout=300)
+        got = [ln for ln in proc.stdout.splitlines() if ln.startswith("RUNTIME ")]
+        if proc.returncode or not got:
+            print(f"runtime {mode} (premapped {size}): FAILED {proc.returncode}: {proc.stderr[-1500:]}", flush=True)
+            rows.append(dict(mode=mode, premapped=size, error=proc.stderr[-1500:]))
+            continue
+        row = json.loads(got[-1][len("RUNTIME "):])
+        rows.append(row)
+        print(f"runtime {mode} (premapped {size}): " + ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k.endswith("_s")
+            and not isinstance(v, list)) + (f", put 512 MB {min(row['put_512mb_s']):.2f} s" if "put_512mb_s" in row
+                                            else ""), flush=True)
+        _save(out, results)
+    return results
+
+
 def bench_load(args: argparse.Namespace, out: Path, results: dict[str, Any]) -> dict[str, Any]:
     """Each of `--load-modes` in a fresh process (`load_child`): cold first (the weights cache
     emptied), then warm (filled by cold), direct (no cache)."""
@@ -1490,7 +1559,7 @@ def plan_processes(sections: list[str]) -> list[list[str]]:
     return groups
 
 
-SECTIONS = ("checkpoint", "load", "kernel", "qmatmul", "lora_matmul", "layers", "engine", "agree", "warm")
+SECTIONS = ("checkpoint", "load", "runtime", "kernel", "qmatmul", "lora_matmul", "layers", "engine", "agree", "warm")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1531,9 +1600,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-cond", default="auto", choices=["auto", "pass", "inside"],
                    help="engine and layers: the base projection before the LoRA conditional (pass) or inside its "
                         "branches (jlora.models.llama.LORA_COND; auto: inside on a TPU, pass elsewhere)")
-    p.add_argument("--lora-fused", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--lora-fused", default="auto", choices=["auto", "on", "packed", "off"],
                    help="engine and layers: a prefill projection with adapters and its LoRA expand as one Pallas "
-                        "kernel on the stacked weights (jlora.models.llama.LORA_FUSED; auto: on on a TPU)")
+                        "kernel on the stacked weights (jlora.models.llama.LORA_FUSED; auto: off, measured no gain)")
     p.add_argument("--fused-tiles", default="default,1024x2048,256x2048,512x1024",
                    type=lambda s: tuple(s.split(",")),
                    help="lora_matmul section: the fused kernel's tile variants, each 'default' or "
@@ -1562,6 +1631,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "bounds checks), +vmemN (scoped VMEM limit, MiB), +subN (positions a compute step) and +seqsN "
                         "(decode sequences a program), e.g. 16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8")
     p.add_argument("--load-modes", default="cold,warm", help="comma-separated, of cold, warm, direct")
+    p.add_argument("--premapped-sizes", default="default,1073741824,2147483648",
+                   help="runtime: TPU_PREMAPPED_BUFFER_SIZE values to start the runtime with (default: unset)")
     p.add_argument("--qmatmul-rows", type=lambda s: tuple(int(x) for x in s.split(",")), default=(32, 512),
                    help="row counts of the qmatmul section (decode rows, a prefill chunk)")
     p.add_argument("--agree-shape", default=AGREE_SHAPE, choices=list(SHAPES))
@@ -1770,9 +1841,11 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_section(args, ckpt, out, results)
         if "load" in sections:
             results = bench_load(args, out, results)
-        run_sections(args, [s for s in sections if s not in ("checkpoint", "load")], out, results)
+        if "runtime" in sections:
+            results = bench_runtime(args, out, results)
+        run_sections(args, [s for s in sections if s not in ("checkpoint", "load", "runtime")], out, results)
         return 0
-    if args.child or (len(sections) == 1 and sections[0] not in ("checkpoint", "load")):
+    if args.child or (len(sections) == 1 and sections[0] not in ("checkpoint", "load", "runtime")):
         run_sections(args, sections, out, results)  # this process is the sections' fresh one
         return 0
     t_all = time.perf_counter()
@@ -1788,6 +1861,8 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_section(args, ckpt, out, results)
         elif group == ["load"]:
             results = bench_load(args, out, results)
+        elif group == ["runtime"]:
+            results = bench_runtime(args, out, results)
         else:
             _save(out, results)
             rc, _ = run_child(_argv_without(argv, ("--sections",)) + ["--sections", ",".join(group), "--child"],

@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hlo-dir", default=None, help="write each compiled graph's HLO here")
     p.add_argument("--graphs", default=None, help="comma-separated graph names (R-P-Q-lora|base); default all")
     p.add_argument("--lora-cond", default="auto", choices=["auto", "pass", "inside"])
-    p.add_argument("--lora-fused", default="auto", choices=["auto", "on", "off"],
-                   help="projections with adapters as one Pallas kernel (jlora.models.llama.LORA_FUSED; auto: on)")
+    p.add_argument("--lora-fused", default="auto", choices=["auto", "on", "packed", "off"],
+                   help="projections with adapters as one Pallas kernel (jlora.models.llama.LORA_FUSED; auto: off)")
     p.add_argument("--topology", default="v5e:1x1")
     args = p.parse_args(argv)
     import tempfile

@@ -128,16 +128,20 @@ def lora_cond() -> str:
 # Pallas kernel (jlora.kernels.lora_matmul_tpu) reading W[l] straight out of the stacked weights,
 # instead of an XLA dot and a second fusion that reads [T, out] back and writes it again (~110 us
 # a layer on a v5e chip at a 1,088-token step of the 1B shape). Only where a call qualifies
-# (`fused_projection`); anything else takes the unfused path. None: "on" on a TPU, "off"
-# elsewhere; "on" / "off" force it; "interpret" runs the kernel in Pallas interpret mode (tests on
-# the CPU). `jlora bench tpu --lora-fused` sets it; read at trace time.
+# (`fused_projection`); anything else takes the unfused path. Measured on a v5e chip (docs/tpu.md,
+# ninth pass) it gained nothing end to end: the kernel's own matmul runs below XLA's dot (gate_up
+# 482 us fused against 426 us for the projection alone and 502 us unfused; down and o slower than
+# unfused), and 64 x (1,024 in, 256 out) with 4 adapters ran 4,230 tok/s with it against 4,214
+# without. So None means "off" everywhere; "on" / "off" force it; "packed": only the packed modules (q|k|v, gate|up), whose
+# unfused expand writes one slice per sub-module; "interpret" runs the kernel in Pallas interpret
+# mode (tests on the CPU). `jlora bench tpu --lora-fused` sets it; read at trace time.
 LORA_FUSED: str | None = None
-LORA_FUSED_CHOICES = ("on", "off", "interpret")
+LORA_FUSED_CHOICES = ("on", "packed", "off", "interpret")
 
 
 def lora_fused() -> str:
     """LORA_FUSED, resolved for this backend."""
-    mode = LORA_FUSED or ("on" if jax.default_backend() == "tpu" else "off")
+    mode = LORA_FUSED or "off"
     if mode not in LORA_FUSED_CHOICES:
         raise ValueError(f"LORA_FUSED must be None or one of {LORA_FUSED_CHOICES}, got {mode!r}")
     return mode
@@ -157,6 +161,8 @@ def fused_projection(
     float weight of x's dtype, a column tile dividing every split and blocks that fit VMEM."""
     mode = lora_fused()
     if mode == "off" or isinstance(stacked, quant.QArray) or x.shape[0] <= BATCHED_SHRINK_MAX_T:
+        return None
+    if mode == "packed" and splits is None:
         return None
     a, b = pool["A"], pool["B"]
     num_layers, n, r, o = b.shape
