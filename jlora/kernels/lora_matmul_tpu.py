@@ -18,6 +18,10 @@ outside: tiny), against Bflat = B.reshape(L, N*R, O) (a free reshape of the stac
 
 `lora_matmul_reference` is the same math in jnp; tests/test_lora_matmul_tpu.py runs the kernel in
 interpret mode against it and against `quant.linear` + `lora_delta_laned`, and lowers it for TPU.
+
+On a v5e chip (docs/tpu.md, ninth pass) its matmul runs below XLA's dot (gate_up at 1,088 tokens:
+482 us fused, 502 unfused, 426 for the projection alone; o and down slower than unfused), and the
+engine gained within noise: the model keeps it off (`jlora.models.llama.LORA_FUSED`).
 """
 
 from __future__ import annotations
