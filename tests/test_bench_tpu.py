@@ -100,7 +100,6 @@ def test_sections_are_cut_into_processes():
     # Nothing runs after the engine in its process; warm always alone.
     assert plan(["engine", "agree", "warm", "warm"]) == [["engine"], ["agree"], ["warm"], ["warm"]]
     assert plan(["kernel", "engine"]) == [["kernel", "engine"]]
-    assert plan(["lora_matmul", "layers", "engine"]) == [["lora_matmul", "layers", "engine"]]
     argv = ["--shape", "tiny", "--sections", "a,b", "--in-process", "--sections=x", "--out", "o"]
     assert tpu._argv_without(argv, ("--sections",)) == ["--shape", "tiny", "--out", "o"]
     with pytest.raises(SystemExit):
@@ -170,7 +169,6 @@ def test_layer_stack_bench_times_every_lora_variant():
     cases = {("none", None), ("off", "skip"), ("mixed", "skip"), ("mixed", "all")}
     assert {(r["tokens"], r["lora"], r["cond"]) for r in rows} == {(t, *c) for t in (1, 70) for c in cases}
     assert all(r["us"] > 0 for r in rows) and {r["lora_cond"] for r in rows} == {"pass"}
-    assert {r["lora_fused"] for r in rows} == {"off"}  # (the default)
 
 
 def test_model_switches_reach_the_model(monkeypatch):
@@ -184,24 +182,16 @@ def test_model_switches_reach_the_model(monkeypatch):
     monkeypatch.setattr(llama, "LORA_COND", "pass")
     monkeypatch.setattr(kernel, "SEQS_PER_PROGRAM", 1)
     monkeypatch.setattr(kernel, "PREFILL_STEP", None)
-    monkeypatch.setattr(llama, "LORA_FUSED", None)
     tpu.apply_model_switches(tpu.parse_args(["--lora-slices", "before", "--lora-cond", "inside",
-                                             "--attn-seqs-per-program", "8", "--attn-prefill-step", "128",
-                                             "--lora-fused", "on"]))
+                                             "--attn-seqs-per-program", "8", "--attn-prefill-step", "128"]))
     assert (llama.LORA_SLICES, llama.LORA_COND, kernel.SEQS_PER_PROGRAM) == ("before", "inside", 8)
-    assert llama.LORA_FUSED == "on" and tpu.resolved_lora_fused() == "on"
     assert kernel.PREFILL_STEP == 128 and tpu.resolved_prefill_step() == 128
     tpu.apply_model_switches(tpu.parse_args([]))  # the defaults: LORA_COND resolved per backend
     assert (llama.LORA_SLICES, llama.LORA_COND, kernel.SEQS_PER_PROGRAM) == ("inside", None, 1)
     assert kernel.PREFILL_STEP is None and tpu.resolved_prefill_step() == 0  # whole chunks
     assert llama.lora_cond() == "pass" and tpu.resolved_lora_cond() == "pass"  # (XLA:CPU)
-    assert llama.LORA_FUSED is None and tpu.resolved_lora_fused() == "off"
-    tpu.apply_model_switches(tpu.parse_args(["--lora-fused", "off"]))
-    assert llama.LORA_FUSED == "off"
     with pytest.raises(SystemExit):
         tpu.parse_args(["--lora-cond", "outside"])
-    with pytest.raises(SystemExit):
-        tpu.parse_args(["--lora-fused", "maybe"])
     with pytest.raises(SystemExit):
         tpu.parse_args(["--attn-prefill-step", "many"])
     assert tpu.parse_args(["--kernel-impls", "pallas"]).kernel_impls == ("pallas",)
@@ -253,23 +243,6 @@ def test_host_phases_keep_the_engine_steps_signature():
     assert "finished_only" in inspect.signature(engine.step).parameters
     engine.step(finished_only=True)
     assert calls == [True] and len(phases.calls) == 1
-
-
-def test_lora_matmul_bench_times_fused_and_unfused_projections():
-    """`--sections lora_matmul`: each projection alone, with LoRA unfused and fused (tile variants;
-    one that does not divide a projection's widths is skipped), rows kept as measured. On the CPU
-    the kernel runs in interpret mode: this checks the plumbing, not the times."""
-    cfg = dict(tpu.SHAPES["tiny"], num_key_value_heads=4)  # q|k|v = 128|128|128: a 128-column tile fits
-    saved: list[int] = []
-    rows = tpu.bench_lora_matmul(cfg, tokens=72, reps=1, tiles=("default", "256x128"),
-                                 on_row=lambda: saved.append(1))
-    got = {(r["proj"], r["variant"]) for r in rows}
-    assert {("qkv_proj", "base"), ("qkv_proj", "unfused"), ("qkv_proj", "fused default"),
-            ("gate_up_proj", "fused 256x128"), ("down_proj", "fused default")} <= got
-    assert ("qkv_proj", "fused 256x128") not in got  # 256 does not divide q|k|v's 128s
-    assert all("error" not in r and r["us"] > 0 and r["mxu_fraction"] > 0 for r in rows)
-    assert len(saved) == len(rows) == 4 * 3 + 1  # gate_up alone takes 256x128
-    assert tpu.parse_args(["--fused-tiles", "default,1024x2048"]).fused_tiles == ("default", "1024x2048")
 
 
 def test_qmatmul_rows_are_kept_as_measured():

@@ -18,10 +18,6 @@ feeds token-id prompts. Sections (`--sections`, in the order given):
               against the reference: GB/s of KV read and the fraction of the HBM roofline
   qmatmul     the shape's projections and lm head alone, bf16 / W8A16 / W8A8, inside one jit each:
               decode rows against the HBM roofline, a prefill chunk against the MXU peak
-  lora_matmul the shape's four projections at a 1,088-token step with 4 adapters of `--rank`: the
-              fused projection + LoRA kernel (jlora.kernels.lora_matmul_tpu, tile variants
-              `--fused-tiles`) against quant.linear + lora_delta (today's unfused path) and the
-              projection alone, inside one jit each: us and the fraction of the MXU peak
   layers      the decoder's layer stack alone (attention left out) at 1, 64 and 1,088 tokens: no
               LoRA, slots without adapter tokens, 4 mixed adapters with and without the LoRA
               conditionals (what LoRA adds to the projections, without an engine per variant)
@@ -437,7 +433,7 @@ def bench_layers(cfg: dict[str, Any], tokens: tuple[int, ...] = (1, 64, 1088), r
             run(state, lora, ids, x0).block_until_ready()
             us = (time.perf_counter() - t0) / reps * 1e6
             row = dict(tokens=t, lora=what, cond=cond, lora_cond=resolved_lora_cond(),
-                       lora_fused=resolved_lora_fused(), us=us,
+                       us=us,
                        matmul_fraction_of_hbm=matmul_bytes / (us * 1e-6) / HBM_BYTES_PER_S,
                        matmul_fraction_of_mxu=2 * _matmul_params(c) * t / (us * 1e-6) / MXU_FLOPS)
             out.append(row)
@@ -743,13 +739,12 @@ def engine_sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def apply_model_switches(args: argparse.Namespace) -> None:
-    """The model's trace-time experiment switches (`--lora-slices`, `--lora-cond`, `--lora-fused`,
+    """The model's trace-time experiment switches (`--lora-slices`, `--lora-cond`,
     `--attn-seqs-per-program`), for the engine and layers sections."""
     import importlib
 
     for module_name, flag, name, default in (("jlora.models.llama", "lora_slices", "LORA_SLICES", "inside"),
                                              ("jlora.models.llama", "lora_cond", "LORA_COND", "auto"),
-                                             ("jlora.models.llama", "lora_fused", "LORA_FUSED", "auto"),
                                              ("jlora.kernels.paged_attention_tpu", "attn_seqs_per_program",
                                               "SEQS_PER_PROGRAM", 1),
                                              ("jlora.kernels.paged_attention_tpu", "attn_prefill_step",
@@ -762,13 +757,6 @@ def apply_model_switches(args: argparse.Namespace) -> None:
             setattr(module, name, None if value == "auto" else value)
         elif getattr(args, flag) != default:
             raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: this jlora has no {name}")
-
-
-def resolved_lora_fused() -> str:
-    """Whether the model fuses a projection with its LoRA expand here (an older jlora: "off")."""
-    from jlora.models import llama
-
-    return llama.lora_fused() if hasattr(llama, "lora_fused") else "off"
 
 
 def resolved_lora_cond() -> str:
@@ -911,7 +899,6 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                attn_impl=getattr(runner, "attn_impl", "xla (before)"),
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
                lora_impl=args.lora_impl, lora_slices=args.lora_slices, lora_cond=resolved_lora_cond(),
-               lora_fused=resolved_lora_fused(),
                attn_seqs_per_program=args.attn_seqs_per_program, attn_prefill_step=resolved_prefill_step(),
                base_graphs=getattr(llm.config, "base_graphs", None), max_num_seqs=n,
                block_size=llm.config.block_size,
@@ -1241,87 +1228,6 @@ def bench_load(args: argparse.Namespace, out: Path, results: dict[str, Any]) -> 
 QMATMUL_MODES = ("bf16", "w8a16", "w8a16-mixed", "w8a8")
 
 
-def bench_lora_matmul(cfg: dict[str, Any], tokens: int = 1088, max_loras: int = 4, rank: int = 16, reps: int = 20,
-                      tiles: tuple[str, ...] = ("default",), out: list[dict[str, Any]] | None = None,
-                      on_row: Callable[[], None] | None = None) -> list[dict[str, Any]]:
-    """Each projection of `cfg` with `max_loras` mixed adapters at `tokens` rows, bf16, `reps` calls
-    inside one jit: "base" (quant.linear alone), "unfused" (quant.linear + lora_delta, what the model
-    runs without LORA_FUSED) and "fused" (split_shrink + lora_matmul_tpu) per tile variant
-    ('default' or OxD[xT]: block_o, block_d, block_t). The weights and slots are stacks of 2 indexed by
-    the loop counter (as the layer scan does); every output is summed into the next input. Flops
-    counted are the projection's own (2 T D O), against the MXU peak. (The sum may fuse into XLA's
-    last fusion and spare it writing y; the kernel's y is always written: the unfused path looks
-    at most this much better than it is in the model.)"""
-    import jax
-    import jax.numpy as jnp
-
-    from jlora.kernels import lora_delta
-    from jlora.kernels.lora_matmul_tpu import lora_matmul_tpu, split_shrink
-    from jlora.models import quant
-
-    d, f = cfg["hidden_size"], cfg["intermediate_size"]
-    h, kvh, dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    projs = {"qkv_proj": (d, (h * dh, kvh * dh, kvh * dh)), "o_proj": (h * dh, (d,)),
-             "gate_up_proj": (d, (f, f)), "down_proj": (f, (d,))}
-    out = [] if out is None else out
-    key = jax.random.PRNGKey(0)
-    n, r, t, stack = max_loras, rank, tokens, 2
-    ids = jnp.arange(t, dtype=jnp.int32) % (n + 1) - 1  # -1 (no adapter) and every slot, mixed
-    for name, (din, widths) in projs.items():
-        o, s = sum(widths), len(widths)
-        splits = widths if s > 1 else None
-        ks = jax.random.split(key, 5)
-        key = ks[4]
-        w = (0.02 * jax.random.normal(ks[0], (stack, din, o), jnp.float32)).astype(jnp.bfloat16)
-        a = (0.02 * jax.random.normal(ks[1], (stack, n, din, s * r), jnp.float32)).astype(jnp.bfloat16)
-        b = (0.02 * jax.random.normal(ks[2], (stack, n, r, o), jnp.float32)).astype(jnp.bfloat16)
-        x0 = jax.random.normal(ks[3], (t, din), jnp.bfloat16)
-        variants: list[tuple[str, Any]] = [("base", None), ("unfused", None)]
-        variants += [("fused", v) for v in tiles]
-
-        for what, tile in variants:
-            label = what if tile is None else f"fused {tile}"
-            blocks = {}
-            if tile not in (None, "default"):
-                parts = [int(v) for v in tile.split("x")]
-                blocks = dict(zip(("block_o", "block_d", "block_t"), parts))
-                if any(wd % blocks["block_o"] for wd in widths) or din % blocks["block_d"]:
-                    print(f"  lora_matmul {name} {label}: skipped (the tile does not divide {widths} / {din})")
-                    continue
-
-            def call(x, w, a, b, i, what=what, blocks=blocks):
-                wi, ai, bi = (jax.lax.dynamic_index_in_dim(v, i, 0, keepdims=False) for v in (w, a, b))
-                if what == "base":
-                    return quant.linear(x, wi)
-                if what == "unfused":
-                    return quant.linear(x, wi) + lora_delta(x, ai, bi, ids, splits=splits).astype(x.dtype)
-                hs = split_shrink(x, ai, ids, s, dtype=b.dtype)
-                return lora_matmul_tpu(x, w, i, hs, b.reshape(stack, n * r, o), splits=splits, **blocks)
-
-            @jax.jit
-            def loop(x, w, a, b):
-                def body(i, xc):
-                    y = call(xc, w, a, b, i % stack)
-                    return xc + (jnp.sum(y.astype(jnp.float32)) * 1e-12).astype(xc.dtype)
-                return jax.lax.fori_loop(0, reps, body, x)
-
-            try:
-                loop(x0, w, a, b).block_until_ready()
-                t0 = time.perf_counter()
-                loop(x0, w, a, b).block_until_ready()
-                dt = (time.perf_counter() - t0) / reps
-            except Exception as e:  # noqa: BLE001 (a tile the chip refuses: say so, measure the rest)
-                print(f"  lora_matmul {name} {label}: FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
-                out.append(dict(proj=name, variant=label, error=f"{type(e).__name__}: {str(e)[:1500]}"))
-                continue
-            mxu = 2 * t * din * o / dt / MXU_FLOPS
-            out.append(dict(proj=name, variant=label, tokens=t, slots=n, rank=r, us=dt * 1e6, mxu_fraction=mxu))
-            print(f"  lora_matmul {name:12s} T={t} {label:18s}: {dt * 1e6:8.1f} us ({mxu:.0%} of MXU)", flush=True)
-            if on_row is not None:
-                on_row()
-    return out
-
-
 def bench_qmatmul(cfg: dict[str, Any], rows: tuple[int, ...], reps: int = 20,
                   modes: tuple[str, ...] = QMATMUL_MODES, out: list[dict[str, Any]] | None = None,
                   on_row: Callable[[], None] | None = None) -> list[dict[str, Any]]:
@@ -1551,15 +1457,15 @@ def plan_processes(sections: list[str]) -> list[list[str]]:
     groups: list[list[str]] = []
     for s in sections:
         last = groups[-1] if groups else None
-        if (s in ("kernel", "qmatmul", "lora_matmul", "layers", "agree", "engine") and last
-                and last[-1] in ("kernel", "qmatmul", "lora_matmul", "layers", "agree")):
+        if (s in ("kernel", "qmatmul", "layers", "agree", "engine") and last
+                and last[-1] in ("kernel", "qmatmul", "layers", "agree")):
             last.append(s)
         else:
             groups.append([s])
     return groups
 
 
-SECTIONS = ("checkpoint", "load", "runtime", "kernel", "qmatmul", "lora_matmul", "layers", "engine", "agree", "warm")
+SECTIONS = ("checkpoint", "load", "runtime", "kernel", "qmatmul", "layers", "engine", "agree", "warm")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1600,13 +1506,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-cond", default="auto", choices=["auto", "pass", "inside"],
                    help="engine and layers: the base projection before the LoRA conditional (pass) or inside its "
                         "branches (jlora.models.llama.LORA_COND; auto: inside on a TPU, pass elsewhere)")
-    p.add_argument("--lora-fused", default="auto", choices=["auto", "on", "packed", "off"],
-                   help="engine and layers: a prefill projection with adapters and its LoRA expand as one Pallas "
-                        "kernel on the stacked weights (jlora.models.llama.LORA_FUSED; auto: off, measured no gain)")
-    p.add_argument("--fused-tiles", default="default,1024x2048,256x2048,512x1024",
-                   type=lambda s: tuple(s.split(",")),
-                   help="lora_matmul section: the fused kernel's tile variants, each 'default' or "
-                        "BLOCK_OxBLOCK_D[xBLOCK_T] (block_t default: all T rows)")
     p.add_argument("--attn-prefill-step", default="auto", type=lambda v: v if v == "auto" else int(v),
                    help="positions a prefill program of the kernel computes a step where its chunk is partial "
                         "(0: whole chunks; auto: the kernel's default), for the engine and layers sections")
@@ -1711,12 +1610,6 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         measured: list[dict[str, Any]] = []
         results.setdefault("qmatmul", {})[args.shape] = measured
         bench_qmatmul(SHAPES[args.shape], args.qmatmul_rows, out=measured, on_row=lambda: _save(out, results))
-        _save(out, results)
-    elif section == "lora_matmul":
-        measured = []
-        results.setdefault("lora_matmul", {})[args.shape] = measured
-        bench_lora_matmul(SHAPES[args.shape], rank=args.rank, tiles=args.fused_tiles, out=measured,
-                          on_row=lambda: _save(out, results))
         _save(out, results)
     elif section == "layers":
         measured: list[dict[str, Any]] = []

@@ -74,11 +74,6 @@ def weight_copies(hlo_text: str, weight_shapes: set[tuple[int, ...]]) -> list[st
     return out
 
 
-def fused_lora_calls(hlo_text: str) -> int:
-    """Custom calls of the fused projection + LoRA kernel (jlora.kernels.lora_matmul_tpu) in the HLO."""
-    return sum("tpu_custom_call" in line and "lora_matmul_fused" in line for line in hlo_text.splitlines())
-
-
 def compile_step_graphs(llm: Any, device: Any, only: set[str] | None = None,
                         hlo_dir: Path | None = None) -> list[dict[str, Any]]:
     """Lower and compile each of the engine's step graphs for `device`; a report row per graph."""
@@ -112,16 +107,14 @@ def compile_step_graphs(llm: Any, device: Any, only: set[str] | None = None,
             hlo_dir.mkdir(parents=True, exist_ok=True)
             (hlo_dir / f"{name}.hlo").write_text(text)
         rows.append(dict(graph=name, lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2),
-                         fused_calls=fused_lora_calls(text),
                          whole_cache_copies=whole_cache_copies(text, tuple(runner.cache["k"].shape)),
                          weight_copies=weight_copies(text, weight_shapes)))
         print(f"{name}: lowered in {t1 - t0:.2f} s, compiled in {t2 - t1:.2f} s, whole-cache copies "
-              f"{len(rows[-1]['whole_cache_copies'])}, weight copies {len(rows[-1]['weight_copies'])}, fused LoRA kernels "
-              f"{rows[-1]['fused_calls']}", flush=True)
+              f"{len(rows[-1]['whole_cache_copies'])}, weight copies {len(rows[-1]['weight_copies'])}", flush=True)
     return rows
 
 
-def build_llm(shape: str, ckpt_dir: Path, lora_cond: str = "auto", lora_fused: str = "auto", **engine: Any) -> Any:
+def build_llm(shape: str, ckpt_dir: Path, lora_cond: str = "auto", **engine: Any) -> Any:
     """LLM() on a random checkpoint of `shape`, built as on a TPU (the bench's TPU engine sizes),
     without warm-up: nothing is compiled for the CPU."""
     from jlora import LLM
@@ -133,7 +126,6 @@ def build_llm(shape: str, ckpt_dir: Path, lora_cond: str = "auto", lora_fused: s
     elif json.loads((ckpt_dir / "config.json").read_text()).get("hidden_size") != SHAPES[shape]["hidden_size"]:
         raise ValueError(f"{ckpt_dir} holds a checkpoint of another shape than {shape}")
     llama.LORA_COND = None if lora_cond == "auto" else lora_cond
-    llama.LORA_FUSED = None if lora_fused == "auto" else lora_fused
     kw = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024,
               token_buckets=(32, 128, 1024), decode_row_buckets=(1, 64), max_loras=4, max_lora_rank=16,
               block_size=128, attn_impl="pallas", attn_chunk=1024, base_graphs="decode", num_kv_blocks=1024)
@@ -181,8 +173,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hlo-dir", default=None, help="write each compiled graph's HLO here")
     p.add_argument("--graphs", default=None, help="comma-separated graph names (R-P-Q-lora|base); default all")
     p.add_argument("--lora-cond", default="auto", choices=["auto", "pass", "inside"])
-    p.add_argument("--lora-fused", default="auto", choices=["auto", "on", "packed", "off"],
-                   help="projections with adapters as one Pallas kernel (jlora.models.llama.LORA_FUSED; auto: off)")
     p.add_argument("--topology", default="v5e:1x1")
     args = p.parse_args(argv)
     import tempfile
@@ -199,13 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         SHAPES[shape] = {**SHAPES[args.shape], **json.loads(args.shape_overrides)}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.dir or tmp) / f"ckpt-{shape}"
-        llm = build_llm(shape, ckpt, args.lora_cond, args.lora_fused)
+        llm = build_llm(shape, ckpt, args.lora_cond)
         with tracing_as_tpu():
-            cond, fused = llama.lora_cond(), llama.lora_fused()
+            cond = llama.lora_cond()
         rows = compile_step_graphs(llm, device, set(args.graphs.split(",")) if args.graphs else None,
                                    Path(args.hlo_dir) if args.hlo_dir else None)
     report = dict(jax=jax.__version__, device=str(device), shape=shape, config=SHAPES[shape], lora_cond=cond,
-                  lora_fused=fused, cache_shape=list(llm.engine.runner.cache["k"].shape), graphs=rows)
+                  cache_shape=list(llm.engine.runner.cache["k"].shape), graphs=rows)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

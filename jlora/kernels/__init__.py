@@ -13,7 +13,6 @@ from jlora.kernels.dispatch import CHOICES, IMPLS, choose_impl, lora_delta
 from jlora.kernels.gather import lora_delta_gather
 from jlora.kernels.grouped import lora_delta_grouped
 from jlora.kernels.laned_dense import lora_delta_laned
-from jlora.kernels.lora_matmul_tpu import lora_matmul_reference, lora_matmul_tpu
 from jlora.kernels.pallas import lora_delta_pallas
 from jlora.kernels.pallas_gpu import lora_delta_pallas_gpu
 from jlora.kernels.pallas_tpu import lora_delta_pallas_tpu
@@ -29,8 +28,6 @@ __all__ = [
     "lora_delta_pallas",
     "lora_delta_pallas_gpu",
     "lora_delta_pallas_tpu",
-    "lora_matmul_reference",
-    "lora_matmul_tpu",
     "paged_attention",
     "paged_attention_reference",
     "validate_attention_args",

@@ -32,10 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jlora.kernels import choose_impl, lora_delta
+from jlora.kernels import lora_delta
 from jlora.kernels.attention import causal_attention, paged_attention
-from jlora.kernels.laned_dense import BATCHED_SHRINK_MAX_T
-from jlora.kernels.lora_matmul_tpu import fits, lora_matmul_tpu, split_shrink
 from jlora.kernels.paged_attention_tpu import paged_attention_tpu
 from jlora.models import quant
 from jlora.models.config import LORA_MODULES, PACKED_MODULES, LlamaConfig  # LORA_MODULES: PEFT names
@@ -124,69 +122,6 @@ def lora_cond() -> str:
     return LORA_COND or ("inside" if jax.default_backend() == "tpu" else "pass")
 
 
-# Whether a prefill projection with adapters computes `x @ W[l]` and its laned LoRA expand in one
-# Pallas kernel (jlora.kernels.lora_matmul_tpu) reading W[l] straight out of the stacked weights,
-# instead of an XLA dot and a second fusion that reads [T, out] back and writes it again (~110 us
-# a layer on a v5e chip at a 1,088-token step of the 1B shape). Only where a call qualifies
-# (`fused_projection`); anything else takes the unfused path. Measured on a v5e chip (docs/tpu.md,
-# ninth pass) it gained nothing end to end: the kernel's own matmul runs below XLA's dot (gate_up
-# 482 us fused against 426 us for the projection alone and 502 us unfused; down and o slower than
-# unfused), and 64 x (1,024 in, 256 out) with 4 adapters ran 4,230 tok/s with it against 4,214
-# without. So None means "off" everywhere; "on" / "off" force it; "packed": only the packed modules (q|k|v, gate|up), whose
-# unfused expand writes one slice per sub-module; "interpret" runs the kernel in Pallas interpret
-# mode (tests on the CPU). `jlora bench tpu --lora-fused` sets it; read at trace time.
-LORA_FUSED: str | None = None
-LORA_FUSED_CHOICES = ("on", "packed", "off", "interpret")
-
-
-def lora_fused() -> str:
-    """LORA_FUSED, resolved for this backend."""
-    mode = LORA_FUSED or "off"
-    if mode not in LORA_FUSED_CHOICES:
-        raise ValueError(f"LORA_FUSED must be None or one of {LORA_FUSED_CHOICES}, got {mode!r}")
-    return mode
-
-
-def fused_projection(
-    x: jax.Array,  # [T, in]
-    stacked: Any,  # [L, in, out]: the weights `layer` indexes (bf16 bits on XLA:CPU), or a QArray
-    pool: dict[str, jax.Array],  # {"A": [L, N, in, S*R], "B": [L, N, R, out]}
-    slot_ids: jax.Array,  # i32[T]
-    layer: jax.Array,  # i32 scalar
-    lora_impl: str,
-    splits: tuple[int, ...] | None,
-) -> Callable[[], jax.Array] | None:  # computes [T, out]; None: the call does not qualify
-    """The fused kernel's projection with its LoRA term, where LORA_FUSED allows it and the call
-    qualifies: T > BATCHED_SHRINK_MAX_T (the laned einsum shrink), the laned implementation, a
-    float weight of x's dtype, a column tile dividing every split and blocks that fit VMEM."""
-    mode = lora_fused()
-    if mode == "off" or isinstance(stacked, quant.QArray) or x.shape[0] <= BATCHED_SHRINK_MAX_T:
-        return None
-    if mode == "packed" and splits is None:
-        return None
-    a, b = pool["A"], pool["B"]
-    num_layers, n, r, o = b.shape
-    if stacked.shape != (num_layers, x.shape[1], o) or (splits is not None and sum(splits) != o):
-        return None
-    impl = lora_impl if lora_impl != "auto" else choose_impl(x.shape[0], x.shape[1], o, n, r)
-    w_dtype = jnp.float32 if stacked.dtype == jnp.uint16 else stacked.dtype  # bits widen to f32
-    if impl != "laned" or w_dtype != x.dtype or not jnp.issubdtype(w_dtype, jnp.floating):
-        return None
-    b_dtype = jnp.float32 if b.dtype == jnp.uint16 else b.dtype
-    if not fits(x.shape[0], x.shape[1], o, n * r, splits, x.dtype, b_dtype):
-        return None
-
-    def run() -> jax.Array:
-        w = quant.widen(stacked)  # a no-op but on XLA:CPU (bf16 bits; interpret mode only)
-        a_l = quant.widen(jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))  # [N, in, S*R]
-        bflat = quant.widen(b).reshape(num_layers, n * r, o)  # a free reshape of the stacked slots
-        h = split_shrink(x, a_l, slot_ids, len(splits or (o,)), dtype=bflat.dtype)  # [S, T, N*R]
-        return lora_matmul_tpu(x, w, layer, h, bflat, splits=splits,
-                               interpret=True if mode == "interpret" else None)
-
-    return run
-
-
 def layer_weight(stacked: Any, layer: jax.Array) -> Any:  # [L, ...] (arrays or QArrays) -> [...]
     return quant.widen(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), stacked))
 
@@ -202,17 +137,11 @@ def lora_linear(
     enabled: jax.Array | None = None,  # bool scalar: False skips the LoRA term (no token has an adapter)
     layer: jax.Array | None = None,  # i32 scalar: which layer of stacked [L, N, ...] slots to use
     splits: tuple[int, ...] | None = None,  # packed module: out widths of its sub-modules (A is [.., in, S*R])
-    stacked: Any = None,  # [L, in, out]: the stacked weights `kernel` is layer `layer` of (LORA_FUSED)
 ) -> jax.Array:  # [T, out]
     weight = kernel if callable(kernel) else lambda: kernel
     if lora is None:
         return quant.linear(x, weight())
     pools = lora if isinstance(lora, tuple) else (lora,)
-    fused = None
-    if stacked is not None and layer is not None and len(pools) == 1 and LORA_SLICES != "before":
-        fused = fused_projection(x, stacked, pools[0], slot_ids, layer, lora_impl, splits)
-    if fused is not None:  # the base projection in both branches, as LORA_COND "inside"
-        return fused() if enabled is None else jax.lax.cond(enabled, fused, lambda: quant.linear(x, weight()))
     if layer is not None and LORA_SLICES == "before":
         pools = tuple({k: jax.lax.dynamic_index_in_dim(v, layer, 0, keepdims=False) for k, v in p.items()}
                       for p in pools)
@@ -424,17 +353,15 @@ class Llama(nnx.Module):
             return out.reshape(bsz * t, h * dh), state
 
         x = quant.embed(quant.weight(self, "embed_tokens"), tokens.reshape(-1))
-        x, _ = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend, (), fusable=False)
+        x, _ = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend, ())
         return self.logits(x).reshape(bsz, t, -1)
 
-    def _decoder(self, x, positions, slot_ids, lora_state, lora_impl, attend, state, lora_skip=True,
-                 fusable=True):
+    def _decoder(self, x, positions, slot_ids, lora_state, lora_impl, attend, state, lora_skip=True):
         """The decoder stack over x [T, D] as one scan over the layers. `attend(q, k, v, layer,
         window, state) -> (attention [T, H*Dh], state)` is the one part the serving step (paged
         KV cache) and the training forward (dense causal) do differently. `lora_skip`: a batch
         without adapter tokens skips the LoRA math (a conditional per projection); False computes
-        it for every token (tokens without an adapter read zeros: the same result). `fusable`:
-        projections may take the fused kernel (LORA_FUSED; it has no gradient, so not in training)."""
+        it for every token (tokens without an adapter read zeros: the same result)."""
         cfg = self.cfg
         h, kvh, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
@@ -468,11 +395,7 @@ class Llama(nnx.Module):
         weights = quant.to_bits(self.layers.weights())
         # LORA_COND "inside": the projections under a LoRA conditional slice their weights inside its
         # branches (layer_weight); the scan slices the rest.
-        # With the fused kernel (LORA_FUSED, one device's layout) the LoRA projections read the stacked
-        # weights too: the kernel takes them whole, with the layer.
-        fused = fusable and lora is not None and shards == 1 and lora_fused() != "off"
-        in_branch = set(pools[0]) if lora is not None and (fused or (any_lora is not None and lora_cond() == "inside")) \
-            else set()
+        in_branch = set(pools[0]) if lora is not None and any_lora is not None and lora_cond() == "inside" else set()
 
         def layer(carry, xs):
             x, state = carry
@@ -483,7 +406,7 @@ class Llama(nnx.Module):
             def linear(h: jax.Array, name: str) -> jax.Array:
                 kernel = (lambda: layer_weight(weights[name], i)) if name in in_branch else w[name]
                 return lora_linear(h, kernel, get(name), slot_ids, lora_impl, enabled=any_lora, layer=i,
-                                   splits=splits[name], stacked=weights[name] if fused and name in in_branch else None)
+                                   splits=splits[name])
 
             y = rms_norm(x, w["input_layernorm"], eps)
             qkv = linear(y, "qkv_proj")
