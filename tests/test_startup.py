@@ -368,56 +368,61 @@ def test_warmup_flag_of_generate_and_serve():
 # ---- stored executables (jlora.engine.executables) ---------------------------------------------------
 
 
-def test_stored_executables_skip_tracing_and_give_the_same_tokens(tiny_dir, tiny_adapters, tmp_path,
-                                                                 no_compile_cache):
-    """A second engine of the same config takes its step graphs from the store: nothing traced or
-    compiled for them, the same tokens. (The first compiles for real: a persistent-cache load is not
-    stored, see `executables`.)"""
-    from jlora import LLM, LoRARequest, SamplingParams
-    from jlora.engine.runner import wait_for_stored_executables
-
-    path, _ = tiny_dir
-    store = tmp_path / "executables"
-    kw = dict(warmup=False, progress=False, use_compilation_cache=False, executable_cache=store, **SMALL)
-    prompts = ["The sea is", "One two three"]
-    loras = [LoRARequest("a1", 1, str(tiny_adapters[1])), None]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    first = LLM(path, **kw)
-    want = first.generate(prompts, params, lora_request=loras)
-    used = set(first.runners[0]._executables)
-    wait_for_stored_executables()
-    assert first.executable_store.stats["writes"] == len(used) > 0
-    assert sorted(f.name for f in first.executable_store.dir.iterdir()) == sorted(
-        f"{executables_name(k)}.pkl" for k in used)
-
-    second = LLM(path, **kw)
-
+# One fresh process starting an engine with its own compile cache and executable store: in the
+# test process an earlier test's graphs would come from JAX's cache (and such graphs are not stored).
+_STORE_CHILD = """
+import json, sys
+from pathlib import Path
+from jlora import LLM, LoRARequest, SamplingParams
+from jlora.engine.runner import wait_for_stored_executables
+path, xla, store, engine, opts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), json.loads(sys.argv[5])
+if opts.get("damage"):
+    for f in sorted(Path(store).glob("*/*.pkl"))[:1]:
+        f.write_bytes(f.read_bytes()[:100])
+llm = LLM(path, warmup=False, progress=False, compilation_cache_dir=xla, executable_cache=store, **engine)
+runner = llm.runners[0]
+if opts.get("no_trace"):
     class NotTraced:
         def lower(self, *a, **k):
             raise AssertionError("a step graph was traced")
-
-    runner = second.runners[0]
     runner._step = NotTraced()
-    n = compile_stats.compile_count()
-    got = second.generate(prompts, params, lora_request=loras)
-    assert runner.loaded_graphs == used  # every graph the run needed, from the store
-    assert _step_compiles_since(n) == 0
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-
-    # Another engine config is another fingerprint: nothing of the first is taken.
-    other = LLM(path, **{**kw, "max_num_seqs": 3})
-    assert other.executable_store.key != first.executable_store.key
-    assert other.executable_store.get(executables_name(next(iter(used)))) is None
+loras = [LoRARequest("a1", 1, opts["adapter"]), None] if opts.get("adapter") else None
+out = llm.generate(["The sea is", "One two three"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                   lora_request=loras)
+wait_for_stored_executables()
+print("RESULT", json.dumps(dict(tokens=[o.outputs[0].token_ids for o in out],
+                                used=sorted(map(str, runner._executables)), loaded=sorted(map(str, runner.loaded_graphs)),
+                                **llm.executable_store.stats)))
+"""
 
 
-def executables_name(key) -> str:
-    from jlora.engine.executables import graph_name
+def _start_in_a_fresh_process(path, tmp_path, **opts) -> dict:
+    import json
 
-    return graph_name(key)
+    out = subprocess.run([sys.executable, "-c", _STORE_CHILD, str(path), str(tmp_path / "xla"),
+                          str(tmp_path / "executables"), json.dumps(SMALL), json.dumps(opts)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.split("RESULT", 1)[1])
 
 
-def _step_compiles_since(n: int) -> int:
-    return compile_stats.compile_count() - n
+def test_stored_executables_skip_tracing_and_give_the_same_tokens(tiny_dir, tiny_adapters, tmp_path):
+    """A second start of the same engine (fresh processes, the same caches) takes every step graph it
+    needs from the store: no step graph traced (its lowering fails if called), none stored again,
+    the same tokens."""
+    from jlora import LLM
+
+    path, _ = tiny_dir
+    first = _start_in_a_fresh_process(path, tmp_path, adapter=str(tiny_adapters[1]))
+    assert first["writes"] == len(first["used"]) > 0 and first["hits"] == 0
+    second = _start_in_a_fresh_process(path, tmp_path, adapter=str(tiny_adapters[1]), no_trace=True)
+    assert second["loaded"] == second["used"] == first["used"]  # every graph the run needed, from the store
+    assert second["writes"] == 0  # (and no step graph traced: NotTraced would have raised)
+    assert second["tokens"] == first["tokens"]
+    # Another engine config is another fingerprint.
+    kw = dict(warmup=False, progress=False, use_compilation_cache=False, executable_cache=tmp_path / "executables")
+    assert (LLM(path, **kw, **SMALL).executable_store.key
+            != LLM(path, **kw, **{**SMALL, "max_num_seqs": 3}).executable_store.key)
 
 
 def test_executable_fingerprint_covers_switches_and_configs(tiny_dir, monkeypatch):
@@ -462,27 +467,23 @@ def test_executable_cache_option_resolution_and_bad_values(tmp_path):
         LLM(executable_cache=3)
 
 
-def test_a_damaged_or_mismatched_stored_executable_is_a_miss(tiny_dir, tmp_path, no_compile_cache, caplog):
+def test_a_damaged_or_mismatched_stored_executable_is_a_miss(tiny_dir, tmp_path):
+    """A truncated file is a miss (a warning, counted as an error) and the graph compiles; a stored
+    graph whose arguments are not the runner's is not installed (`executables.matches`)."""
     from jlora import LLM, SamplingParams
     from jlora.engine import executables
-    from jlora.engine.runner import wait_for_stored_executables
 
     path, _ = tiny_dir
-    kw = dict(warmup=False, progress=False, use_compilation_cache=False, executable_cache=tmp_path / "ex", **SMALL)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    first = LLM(path, **kw)
-    want = first.generate(["The sea is"], params)[0].outputs[0].token_ids
-    wait_for_stored_executables()
-    files = sorted(first.executable_store.dir.glob("*.pkl"))
-    assert files
-    files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
-    second = LLM(path, **kw)
-    with caplog.at_level("WARNING", logger="jlora.engine.executables"):
-        got = second.generate(["The sea is"], params)[0].outputs[0].token_ids
-    assert got == want
-    assert second.executable_store.stats["errors"] >= 1 and "unreadable" in caplog.text
-    # A stored graph whose arguments are not the runner's is not installed.
-    runner = second.runners[0]
+    first = _start_in_a_fresh_process(path, tmp_path)
+    assert first["writes"] > 0
+    damaged = _start_in_a_fresh_process(path, tmp_path, damage=True)
+    assert damaged["tokens"] == first["tokens"]
+    assert damaged["errors"] == 1 and damaged["hits"] == len(first["used"]) - 1
+    assert len(damaged["loaded"]) == len(first["used"]) - 1
+
+    llm = LLM(path, warmup=False, progress=False, executable_cache=False, **SMALL)
+    llm.generate(["The sea is"], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    runner = llm.runners[0]
     key = next(iter(runner._executables))
     compiled = runner._executables[key]
     args, _ = runner.step_inputs(key)
