@@ -112,6 +112,39 @@ def test_weights_cache_miss_and_hit_equal_the_eager_loader(tiny_ckpts, tmp_path,
     assert_same_weights(hit, old)
 
 
+def test_packed_modules_copied_in_row_chunks_side_by_side_equal_the_eager_loader(tiny_ckpts, tmp_path, monkeypatch):
+    """A packed module (q|k|v, gate|up) is assembled on the host from row chunks copied by several
+    threads: with chunks of a few rows (many per sub-module, out of order) the weights are the same."""
+    import jlora.models.streaming as streaming
+
+    monkeypatch.setattr(streaming, "_COPY_CHUNK_BYTES", 1)  # one row a chunk
+    copied = []
+    real = streaming._copy_threads
+
+    def counting():
+        pool = real()
+
+        class Pool:
+            def map(self, fn, jobs):
+                jobs = list(jobs)
+                copied.append(len(jobs))
+                return pool.map(fn, jobs[::-1])  # any order
+
+        return Pool()
+
+    monkeypatch.setattr(streaming, "_copy_threads", counting)
+    path = tiny_ckpts["bfloat16", False]
+    cfg, tensors = ref.read_hf_checkpoint(path)
+    old = ref.build_model(cfg, tensors, jnp.bfloat16, None)
+    hit_cache = wc.open_cache(tmp_path / "w")
+    load_model(path, jnp.bfloat16, weights_cache=hit_cache)  # fills the cache (the mmap'd tensors: in memory)
+    new, _, _ = load_model(path, jnp.bfloat16, weights_cache=wc.open_cache(tmp_path / "w"))
+    assert_same_weights(new, old)
+    rows = TINY["hidden_size"] // TINY["num_attention_heads"] * (TINY["num_attention_heads"]
+                                                                  + 2 * TINY["num_key_value_heads"])
+    assert rows in copied and 2 * TINY["intermediate_size"] in copied  # qkv's and gate_up's rows, one a chunk
+
+
 def test_gguf_rows_dequantize_like_the_whole_tensor(tmp_path):
     """The loader reads a GGUF tensor's rows in any order (a device's shard of the permuted q/k):
     each equals the same rows of the whole dequantized (and un-permuted) tensor."""

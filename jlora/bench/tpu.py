@@ -1498,6 +1498,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-slices", default="inside", choices=["inside", "before"],
                    help="engine: where a layer's LoRA slots are sliced, inside the conditional or before it "
                         "(jlora.models.llama.LORA_SLICES; an experiment)")
+    p.add_argument("--sample-stacks", action="store_true",
+                   help="warm: sample every thread's stack every 10 ms through the start (jlora.bench.stack_sampler); "
+                        "late samples are the GIL held elsewhere. Written to warm_stacks_<shape>_<quantization>.json under --out")
     p.add_argument("--executable-cache", default="auto", choices=["auto", "on", "off"],
                    help="LLM(executable_cache=...) for engine and warm: step graphs kept as serialized executables, "
                         "so a warm start skips tracing them (auto: on on a TPU)")
@@ -1647,6 +1650,11 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
 
         # From before the TPU runtime's start: LLM() starts it in a thread beside its imports (an
         # older jlora started it here, first: then `runtime_start_s` is measured here).
+        sampler = None
+        if args.sample_stacks:
+            from jlora.bench.stack_sampler import StackSampler
+
+            sampler = StackSampler().start()
         t1, n0 = time.perf_counter(), compile_stats.compile_count()
         from jlora import llm as llm_module
 
@@ -1662,10 +1670,16 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         res["warm"] = dict(start_s=res["warm_start_s"], **ready_then_all(llm, t1),
                            runtime_start_s=startup.get("runtime_start", runtime_start), startup_seconds=startup,
                            weights_cache_hit=getattr(llm, "weights_cache_hit", None),
-                           executable_store=None if store is None else dict(store.stats),
+                           executable_store=None if store is None else dict(store.stats, loads=getattr(store, "loads", None)),
                            compiles=compile_stats.compile_count() - n0, cache_hits=compile_stats.cache_hit_count())
         print(f"warm start {tag} (LLM(), compile and weights caches filled by an earlier process): "
               f"{res['warm_start_s']:.1f} s {json.dumps(res['warm'])}", flush=True)
+        if sampler is not None:
+            sampler.stop()
+            report = sampler.report()
+            (out / f"warm_stacks_{tag.replace('/', '_')}.json").write_text(json.dumps(report, indent=1))
+            print(f"warm start {tag}: GIL held elsewhere {report['gil_held_elsewhere_s']} s of {report['seconds']} s "
+                  f"sampled; longest gaps: {[(g['at_s'], g['gap_s']) for g in report['gaps'][:8]]}", flush=True)
         _save(out, results)
     return results
 

@@ -185,6 +185,9 @@ class ExecutableStore:
         self.root, self.key = Path(root), key
         self.dir = self.root / key
         self.stats = {"hits": 0, "misses": 0, "writes": 0, "errors": 0, "load_seconds": 0.0}
+        # Each load's seconds, file size and when it finished (seconds since the store opened).
+        self.loads: dict[str, dict[str, float]] = {}
+        self.t0 = time.perf_counter()
         self._lock = threading.Lock()
         self._futures: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -199,7 +202,8 @@ class ExecutableStore:
         with self._lock:
             todo = [n for n in names if n not in self._futures and self.path(n).is_file()]
             if todo and self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                threads = int(os.environ.get("JLORA_EXECUTABLE_LOAD_THREADS", "4"))  # (an experiment's knob)
+                self._pool = ThreadPoolExecutor(max_workers=max(1, min(threads, os.cpu_count() or 1)),
                                                 thread_name_prefix="jlora-executables")
             for n in todo:
                 self._futures[n] = self._pool.submit(self._read, n)
@@ -228,6 +232,8 @@ class ExecutableStore:
             return None
         with self._lock:
             self.stats["load_seconds"] += time.perf_counter() - t
+            self.loads[name] = {"seconds": round(time.perf_counter() - t, 3), "bytes": self.path(name).stat().st_size,
+                                "done_at": round(time.perf_counter() - self.t0, 3)}
         os.utime(self.dir)  # recently used: kept by `_prune`
         return compiled, out_layout
 
