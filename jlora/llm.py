@@ -133,6 +133,11 @@ class LLM:
         from jlora.models.loading import load_model, read_model_config, resolve_model_path
         from jlora.models.quant import check_quantization
 
+        # The engine's and the tokenizer's modules (transformers among them) are imported in a thread
+        # while this one waits for the runtime and then streams the weights in: on a v5e host the
+        # runtime's start holds the GIL 4-5 s of its 7-8 s, and the weights' load is mostly copies and
+        # transfers, which leave it free (docs/tpu.md, tenth pass).
+        engine_imports = import_in_background(_ENGINE_MODULES)
         t_imports = time.perf_counter()
         runtime_wait = backend_started()
         t_runtime = time.perf_counter()
@@ -173,9 +178,6 @@ class LLM:
                            (self.config.first_graphs() if warmup == "background" else self.config.step_graphs()))
         if progress:
             self._say(f"loading weights from {path}: {_weights_source(path, cache, _DTYPES[dtype], self.quantization)}")
-        # The engine's and the tokenizer's modules (transformers among them) are imported while the
-        # weights stream in: that is mostly copies and transfers, which leave the GIL free.
-        engine_imports = import_in_background(_ENGINE_MODULES)
         t1 = time.perf_counter()
         # One engine: stream the weights straight onto its devices, sharded (jlora.models.streaming).
         self.model, self.model_path, fields = load_model(path, _DTYPES[dtype], weights_cache=cache or False,

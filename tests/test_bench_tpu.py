@@ -129,7 +129,7 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
            "--sections", "checkpoint,load,qmatmul,agree,engine,warm", "--quantization", "int8",
            "--workloads", "11", "--max-num-seqs", "auto", "--max-seqs-cap", "3", "--token-buckets", "128",
            "--max-num-batched-tokens", "128", "--qmatmul-rows", "4", "--agree-shape", "tiny", "--quick",
-           "--lora-slices", "before", "--base-graphs", "decode", "--prefill-slack", "off,0.05"]
+           "--lora-slices", "before", "--base-graphs", "decode", "--prefill-slack", "off,0.05", "--sample-stacks"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     r = json.loads((out / "results.json").read_text())
@@ -157,9 +157,32 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
     for row in run["workloads"]:
         assert row["quantization"] == "int8" and row["requests"] == 3 and row["generated"] == 3 * 256
     assert run["warm"]["weights_cache_hit"] is True and run["warm"]["compiles"] == run["warm"]["cache_hits"]
+    # The engine section's sizes were there: the timed LLM() started the backend itself. The warm
+    # start's stacks were sampled (the MainThread through LLM()).
+    assert run["warm"]["runtime_before_llm_s"] is None
+    stacks = json.loads((out / "warm_stacks_tiny_int8.json").read_text())
+    assert stacks["samples"] > 10 and any("llm.py" in f for f, _ in stacks["on_stack"]["MainThread"])
     assert {q["mode"] for q in r["qmatmul"]["tiny"]} == set(tpu.QMATMUL_MODES) and "errors" not in r["qmatmul"]["tiny"][0]
     assert r["agree"]["tiny"]["int8"]["top1"] > 0.9 and r["agree"]["tiny"]["int8-weight-only"]["top1"] > 0.9
     assert "errors" not in r
+
+
+@pytest.mark.slow  # a checkpoint and one warm LLM() at the tiny shape: ~20 s on 2 cores
+def test_warm_section_says_when_sizing_started_the_runtime_before_llm(tmp_path):
+    """Without an engine section's sizes, `--max-num-seqs auto` asks the device for its memory before
+    the timed LLM(): the result records that start instead of hiding it."""
+    out = tmp_path / "out"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JLORA_CACHE_DIR": str(tmp_path / "xla"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jlora.bench.tpu", "--shape", "tiny", "--dir", str(tmp_path / "d"), "--out", str(out),
+           "--sections", "checkpoint,warm", "--max-num-seqs", "auto", "--max-seqs-cap", "2", "--token-buckets", "128",
+           "--max-num-batched-tokens", "128"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    warm = json.loads((out / "results.json").read_text())["tiny/none"]["warm"]
+    assert warm["runtime_before_llm_s"] > 0 and warm["runtime_start_s"] == 0.0
+    assert "the runtime was started before LLM()" in proc.stdout
 
 
 def test_layer_stack_bench_times_every_lora_variant():

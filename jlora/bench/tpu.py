@@ -1636,6 +1636,11 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         _save(out, results)
     elif section == "warm":  # a fresh process: the engine section's sizes, its caches filled
         eng = results.get(tag, {}).get("engine", {})
+        from jax._src import xla_bridge
+
+        # `--max-num-seqs auto` without an engine section's sizes asks the device for its memory: that
+        # starts the TPU runtime here, before the timed LLM(), which then finds it started.
+        t_sizes, started_before = time.perf_counter(), xla_bridge.backends_are_initialized()
         try:
             sizes = engine_sizes(args) if not eng else dict(
                 max_num_seqs=eng["max_num_seqs"], num_kv_blocks=eng["num_kv_blocks"],
@@ -1650,6 +1655,11 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
 
         # From before the TPU runtime's start: LLM() starts it in a thread beside its imports (an
         # older jlora started it here, first: then `runtime_start_s` is measured here).
+        runtime_before_llm = (None if started_before or not xla_bridge.backends_are_initialized()
+                              else time.perf_counter() - t_sizes)
+        if runtime_before_llm is not None:
+            print(f"warm {tag}: the runtime was started before LLM() to size the engine ({runtime_before_llm:.1f} s, "
+                  f"not in the start's seconds; give --max-num-seqs, --num-kv-blocks to keep it in)", flush=True)
         sampler = None
         if args.sample_stacks:
             from jlora.bench.stack_sampler import StackSampler
@@ -1669,6 +1679,7 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         store = getattr(llm, "executable_store", None)
         res["warm"] = dict(start_s=res["warm_start_s"], **ready_then_all(llm, t1),
                            runtime_start_s=startup.get("runtime_start", runtime_start), startup_seconds=startup,
+                           runtime_before_llm_s=runtime_before_llm,
                            weights_cache_hit=getattr(llm, "weights_cache_hit", None),
                            executable_store=None if store is None else dict(store.stats, loads=getattr(store, "loads", None)),
                            compiles=compile_stats.compile_count() - n0, cache_hits=compile_stats.cache_hit_count())
