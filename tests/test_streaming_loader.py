@@ -119,7 +119,7 @@ def test_packed_modules_copied_in_row_chunks_side_by_side_equal_the_eager_loader
 
     monkeypatch.setattr(streaming, "_COPY_CHUNK_BYTES", 1)  # one row a chunk
     copied = []
-    real = streaming._copy_threads
+    real = streaming._threads
 
     def counting():
         pool = real()
@@ -132,7 +132,7 @@ def test_packed_modules_copied_in_row_chunks_side_by_side_equal_the_eager_loader
 
         return Pool()
 
-    monkeypatch.setattr(streaming, "_copy_threads", counting)
+    monkeypatch.setattr(streaming, "_threads", counting)
     path = tiny_ckpts["bfloat16", False]
     cfg, tensors = ref.read_hf_checkpoint(path)
     old = ref.build_model(cfg, tensors, jnp.bfloat16, None)

@@ -222,7 +222,8 @@ class ExecutableStore:
 
         t = time.perf_counter()
         try:
-            payload, in_tree, out_tree, out_layout = pickle.loads(self.path(name).read_bytes())
+            data = self.path(name).read_bytes()
+            payload, in_tree, out_tree, out_layout = pickle.loads(data)
             compiled = deserialize_and_load(payload, in_tree, out_tree)
         except Exception as e:  # noqa: BLE001 (a damaged or stale file is a miss: the graph compiles)
             logger.warning("jlora: executable %s unreadable, compiling it instead: %s: %s", self.path(name),
@@ -230,10 +231,10 @@ class ExecutableStore:
             with self._lock:
                 self.stats["errors"] += 1
             return None
+        done = time.perf_counter()
         with self._lock:
-            self.stats["load_seconds"] += time.perf_counter() - t
-            self.loads[name] = {"seconds": round(time.perf_counter() - t, 3), "bytes": self.path(name).stat().st_size,
-                                "done_at": round(time.perf_counter() - self.t0, 3)}
+            self.stats["load_seconds"] += done - t
+            self.loads[name] = {"seconds": round(done - t, 3), "bytes": len(data), "done_at": round(done - self.t0, 3)}
         os.utime(self.dir)  # recently used: kept by `_prune`
         return compiled, out_layout
 

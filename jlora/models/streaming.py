@@ -15,12 +15,9 @@ embedding or lm head, when that is bigger), and the file's pages are handed back
 from __future__ import annotations
 
 import dataclasses
-import os
 import resource
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -33,7 +30,7 @@ from jlora.models import quant
 from jlora.models.config import PACKED_MODULES, LlamaConfig
 from jlora.models.llama import LORA_MODULES, Llama, rope_inv_freq
 from jlora.models.tensor_parallel import TensorParallel, packed_columns, weight_spec
-from jlora.models.tensors import ArrayTensor, Cast, Tensor, as_tensor, nbytes, prefetch, quantized
+from jlora.models.tensors import ArrayTensor, Cast, Tensor, _threads, as_tensor, nbytes, prefetch, quantized
 
 Entry = tuple  # (path: tuple, layer: int | None, transpose: bool, columns: (start, stop) | None)
 
@@ -242,19 +239,7 @@ def _contiguous(sel: np.ndarray) -> slice | np.ndarray:
     return sel
 
 
-_COPY_CHUNK_BYTES = 4 << 20
-_copies: ThreadPoolExecutor | None = None
-_copies_lock = threading.Lock()
-
-
-def _copy_threads() -> ThreadPoolExecutor:
-    """The host copies' own pool (not `tensors._threads()`, whose workers may be the ones loading)."""
-    global _copies
-    with _copies_lock:
-        if _copies is None:
-            _copies = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)),
-                                         thread_name_prefix="jlora-copy")
-        return _copies
+_COPY_CHUNK_BYTES = 4 << 20  # the packed modules' host copies, a chunk a task of `tensors._threads()`
 
 
 def _shard_fn(param: _Param, parts: list[tuple[str, int, int]], tensors: Mapping[str, Tensor],
@@ -294,7 +279,7 @@ def _shard_fn(param: _Param, parts: list[tuple[str, int, int]], tensors: Mapping
         # host, one thread). NumPy copies without the GIL, so the chunks are copied side by side;
         # only for in-memory tensors (the quantizing and GGUF readers keep per-tensor state).
         if len(jobs) > 1 and all(isinstance(tensors[name], ArrayTensor) for name, _, _ in jobs):
-            list(_copy_threads().map(fill, jobs))
+            list(_threads().map(fill, jobs))
         else:
             for job in jobs:
                 fill(job)
