@@ -21,7 +21,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jlora.kernels.attention import paged_attention_reference
 from jlora.engine.runner import whole_cache_copies
 from jlora.kernels.paged_attention_tpu import (UNROLL_PAGES, VMEM_BUDGET, cache_lanes, compute_block, default_chunk,
-                                               lane_tiles, paged_attention_tpu, query_block, vmem_estimate)
+                                               lane_tiles, paged_attention_tpu, prefill_sizes, query_block,
+                                               vmem_estimate)
 
 
 def make_case(h: int, kvh: int, dh: int, bs: int, nq: int, max_len: int = 384, layers: int = 2, seed: int = 0,
@@ -118,6 +119,40 @@ def test_prefill_programs_step_through_partial_chunks(step, monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("round_to,chunk", [(16, 128), (48, 128), (20, 64)])
+def test_prefill_programs_compute_a_partial_chunk_as_one_smaller_block(round_to, chunk, monkeypatch):
+    """PREFILL_ROUND: a prefill program computes a partial chunk as one block of the smallest
+    multiple of `round_to` (whole pages: 20 -> 32) covering its copied pages; a size more than a
+    page past the one below it reaches pages never copied (NaN here), which must be masked. A prompt
+    from position 0, one across a chunk boundary with padding after it, and one all padding."""
+    from jlora.kernels import paged_attention_tpu as kernel
+
+    h, kvh, dh, bs, nq = 8, 2, 64, 16, 96
+    step = bs * -(-round_to // bs)
+    assert prefill_sizes(chunk, bs, 8 * 16, round_to) == tuple(range(step, chunk, step)) + (chunk,)
+    assert prefill_sizes(chunk, bs, 8, round_to) == (chunk,)  # decode programs: unchanged
+    assert prefill_sizes(chunk, bs, 8 * 16, None) == prefill_sizes(chunk, bs, 8 * 16, 0) == (chunk,)
+    q, k, v, _, tables = make_case(h, kvh, dh, bs, nq, seed=37)
+    positions = np.stack([np.arange(nq), np.arange(100, 100 + nq), np.full(nq, -1)]).astype(np.int32)
+    positions[1, -5:] = -1
+    want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
+    nan = pltpu.InterpretParams(uninitialized_memory="nan")
+    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, prefill_round=round_to,
+                              interpret=nan)
+    assert not np.isnan(np.asarray(got)).any()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    monkeypatch.setattr(kernel, "PREFILL_ROUND", round_to)  # the module's switch, as the engine traces it
+    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, interpret=nan)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, max_rows=128, interpret=nan)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)  # 16 queries a program
+    with pytest.raises(ValueError, match="max_rows must be >= 1"):
+        paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, max_rows=0, interpret=True)
+    with pytest.raises(ValueError, match="prefill_round must be >= 0"):
+        paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, prefill_round=-16,
+                            interpret=True)
+
+
 @pytest.mark.parametrize("seqs,nq", [(2, 1), (3, 1), (6, 1), (4, 1), (3, 2)])
 def test_several_sequences_a_program(seqs, nq):
     """`seqs_per_program`: a program walks several sequences (the largest divisor of B up to it: 4
@@ -195,18 +230,22 @@ def test_layouts():
     assert vmem_estimate(512, 512, 1024, 2) > VMEM_BUDGET >= vmem_estimate(256, 512, 1024, 2)
     assert query_block(1, 4, 16, chunk=4096, kd=1024) == 1  # one query always goes
     assert query_block(512, 4, 16, chunk=512, kd=1024, budget=2 * VMEM_BUDGET) == 128  # a raised limit: 512 rows
+    assert query_block(256, 8, 16, chunk=1024, kd=512, max_rows=128) == 16  # a lower row cap
 
 
 @pytest.mark.parametrize("shape", [(64, 1, 32, 8, 64, 16, 128), (1, 512, 32, 8, 64, 16, 128),
                                    (16, 1, 9, 3, 64, 16, 128), (4, 128, 32, 8, 128, 16, 256),
                                    (1, 512, 32, 8, 128, 16, 512),  # the 8B prefill chunk (its VMEM: query_block)
-                                   (64, 1, 32, 8, 64, 128, 1024, 8)])  # 8 sequences a program
+                                   (64, 1, 32, 8, 64, 128, 1024, 8),  # 8 sequences a program
+                                   (1, 1024, 32, 8, 64, 128, 1024, 1, 128)])  # a prefill's partial chunk by size
 def test_lowers_for_tpu(shape):
-    """Mosaic lowering for the chip, without it (B, Q, H, KVH, Dh, bs, chunk[, sequences a program];
-    bf16 caches)."""
-    b, nq, h, kvh, dh, bs, chunk, *seqs = shape
+    """Mosaic lowering for the chip, without it (B, Q, H, KVH, Dh, bs, chunk[, sequences a program[,
+    prefill_round]]; bf16 caches)."""
+    b, nq, h, kvh, dh, bs, chunk, *more = shape
+    seqs, round_to = (more + [1, None])[:2]
     spec = jax.ShapeDtypeStruct
-    fn = jax.jit(partial(paged_attention_tpu, chunk=chunk, interpret=False, seqs_per_program=seqs[0] if seqs else 1))
+    fn = jax.jit(partial(paged_attention_tpu, chunk=chunk, interpret=False, seqs_per_program=seqs,
+                         prefill_round=round_to))
     exp = jax.export.export(fn, platforms=["tpu"])(
         spec((b, nq, h, dh), jnp.bfloat16), spec((16, 2048, bs, kvh * dh), jnp.bfloat16),
         spec((16, 2048, bs, kvh * dh), jnp.bfloat16), spec((), jnp.int32), spec((b, nq), jnp.int32),
@@ -324,11 +363,21 @@ def test_kernel_variant_specs_parse_and_bad_ones_are_named():
 
     from jlora.bench.tpu import parse_kernel_variants
 
-    assert parse_kernel_variants("16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8") == [
+    assert parse_kernel_variants("16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8,128x1024+round256") == [
         (16, 256, {}), (128, 1024, {"bounds_checks": False, "vmem_limit": 64 * 2**20}),
-        (128, 1024, {"sub_block": 1024, "seqs_per_program": 8})]
+        (128, 1024, {"sub_block": 1024, "seqs_per_program": 8}), (128, 1024, {"prefill_round": 256})]
+    assert parse_kernel_variants("128x1024+rows128") == [(128, 1024, {"max_rows": 128})]
     assert parse_kernel_variants("") == []
-    for bad in ("128", "128x1024+fast", "axb", "128x1024+vmem", "128x1024+subx", "128x1024+seqs"):
+    from jlora.bench.tpu import KERNEL_VARIANT_CASES, parse_args, parse_kernel_cases
+
+    assert parse_kernel_cases("1x1024x1024,64x256x1") == ((1, 1024, 1024), (64, 256, 1))
+    assert parse_args([]).kernel_cases == KERNEL_VARIANT_CASES
+    assert parse_args(["--kernel-impls=", "--kernel-cases", "1x1024x256"]).kernel_impls == ()
+    for bad in ("1x1024", "1x256x512", "0x64x1", "ax1x1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="ROWSxCONTEXTxQUERIES|queries"):
+            parse_kernel_cases(bad)
+    for bad in ("128", "128x1024+fast", "axb", "128x1024+vmem", "128x1024+subx", "128x1024+seqs",
+                "128x1024+round"):
         with pytest.raises(argparse.ArgumentTypeError, match="BSxCHUNK"):
             parse_kernel_variants(bad)
 

@@ -205,18 +205,28 @@ def test_model_switches_reach_the_model(monkeypatch):
     monkeypatch.setattr(llama, "LORA_COND", "pass")
     monkeypatch.setattr(kernel, "SEQS_PER_PROGRAM", 1)
     monkeypatch.setattr(kernel, "PREFILL_STEP", None)
+    monkeypatch.setattr(kernel, "PREFILL_ROUND", kernel.PREFILL_ROUND)
+    monkeypatch.setattr(kernel, "MAX_BLOCK_ROWS", kernel.MAX_BLOCK_ROWS)
+    default_round = kernel.PREFILL_ROUND or 0
     tpu.apply_model_switches(tpu.parse_args(["--lora-slices", "before", "--lora-cond", "inside",
-                                             "--attn-seqs-per-program", "8", "--attn-prefill-step", "128"]))
+                                             "--attn-seqs-per-program", "8", "--attn-prefill-step", "128",
+                                             "--attn-prefill-round", "384", "--attn-block-rows", "128"]))
     assert (llama.LORA_SLICES, llama.LORA_COND, kernel.SEQS_PER_PROGRAM) == ("before", "inside", 8)
     assert kernel.PREFILL_STEP == 128 and tpu.resolved_prefill_step() == 128
+    assert kernel.PREFILL_ROUND == 384 and tpu.resolved_prefill_round() == 384
+    assert kernel.MAX_BLOCK_ROWS == 128
     tpu.apply_model_switches(tpu.parse_args([]))  # the defaults: LORA_COND resolved per backend
     assert (llama.LORA_SLICES, llama.LORA_COND, kernel.SEQS_PER_PROGRAM) == ("inside", None, 1)
     assert kernel.PREFILL_STEP is None and tpu.resolved_prefill_step() == 0  # whole chunks
+    assert tpu.resolved_prefill_round() == default_round  # "auto": the source's value
+    assert kernel.MAX_BLOCK_ROWS == 512
     assert llama.lora_cond() == "pass" and tpu.resolved_lora_cond() == "pass"  # (XLA:CPU)
     with pytest.raises(SystemExit):
         tpu.parse_args(["--lora-cond", "outside"])
     with pytest.raises(SystemExit):
         tpu.parse_args(["--attn-prefill-step", "many"])
+    with pytest.raises(SystemExit):
+        tpu.parse_args(["--attn-prefill-round", "some"])
     assert tpu.parse_args(["--kernel-impls", "pallas"]).kernel_impls == ("pallas",)
     assert tpu.parse_args(["--warmup", "eager"]).warmup == "eager"
     assert tpu.parse_args(["--executable-cache", "off"]).executable_cache == "off"

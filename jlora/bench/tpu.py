@@ -292,8 +292,10 @@ def make_adapters(cfg: Any, n: int, rank: int, root: Path, seed: int = 0) -> lis
 def parse_kernel_variants(spec: str) -> list[tuple[int, int, dict[str, Any]]]:
     """`--kernel-variants`: comma-separated BSxCHUNK, each optionally followed by +nobc (the
     kernel's DMA bounds checks off), +vmemN (its scoped VMEM limit, N MiB), +subN (N positions
-    a compute step, `sub_block`; +subCHUNK computes whole chunks, as before the steps) and +seqsN
-    (N decode sequences a program, `seqs_per_program`)."""
+    a compute step, `sub_block`; +subCHUNK computes whole chunks, as before the steps), +seqsN
+    (N decode sequences a program, `seqs_per_program`), +roundN (a prefill program's partial
+    chunk as one block rounded up to N positions, `prefill_round`; +round0: whole chunks) and
+    +rowsN (at most N query rows a program, `max_rows`)."""
     out = []
     for item in filter(None, spec.split(",")):
         size, *flags = item.split("+")
@@ -309,13 +311,37 @@ def parse_kernel_variants(spec: str) -> list[tuple[int, int, dict[str, Any]]]:
                     opts["sub_block"] = int(f[3:])
                 elif f.startswith("seqs"):
                     opts["seqs_per_program"] = int(f[4:])
+                elif f.startswith("round"):
+                    opts["prefill_round"] = int(f[5:])
+                elif f.startswith("rows"):
+                    opts["max_rows"] = int(f[4:])
                 else:
                     raise ValueError(f)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{item!r}: want BSxCHUNK[+nobc][+vmemN][+subN][+seqsN], e.g. 128x1024+nobc+vmem64")
+                f"{item!r}: want BSxCHUNK[+nobc][+vmemN][+subN][+seqsN][+roundN][+rowsN], e.g. 128x1024+nobc+vmem64")
         out.append((bs, chunk, opts))
     return out
+
+
+# The cases a kernel variant runs: long rows, short rows (the short workload's mean context too), a
+# second chunk mostly empty, prefill, and a whole 1,024-token prompt from position 0 (causal: early
+# query blocks reach few pages).
+KERNEL_VARIANT_CASES = ((64, 1024, 1), (64, 256, 1), (64, 160, 1), (64, 1152, 1), (1, 1024, 256), (1, 1024, 1024))
+
+
+def parse_kernel_cases(spec: str) -> tuple[tuple[int, int, int], ...]:
+    """`--kernel-cases`: comma-separated ROWSxCONTEXTxQUERIES, queries <= context."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        try:
+            r, ctx, nq = (int(x) for x in item.split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: want ROWSxCONTEXTxQUERIES, e.g. 1x1024x1024")
+        if min(r, ctx, nq) < 1 or nq > ctx:
+            raise argparse.ArgumentTypeError(f"{item!r}: rows, context and queries must be >= 1, queries <= context")
+        out.append((r, ctx, nq))
+    return tuple(out)
 
 
 def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: int = 20,
@@ -748,13 +774,21 @@ def apply_model_switches(args: argparse.Namespace) -> None:
                                              ("jlora.kernels.paged_attention_tpu", "attn_seqs_per_program",
                                               "SEQS_PER_PROGRAM", 1),
                                              ("jlora.kernels.paged_attention_tpu", "attn_prefill_step",
-                                              "PREFILL_STEP", "auto")):
+                                              "PREFILL_STEP", "auto"),
+                                             ("jlora.kernels.paged_attention_tpu", "attn_prefill_round",
+                                              "PREFILL_ROUND", "auto"),
+                                             ("jlora.kernels.paged_attention_tpu", "attn_block_rows",
+                                              "MAX_BLOCK_ROWS", "auto")):
         if getattr(args, flag) == default and module_name not in sys.modules:
             continue  # its default, and not imported yet: the warm section's LLM() imports it, timed
         module = importlib.import_module(module_name)
         if hasattr(module, name):  # (an older jlora has no choice)
             value = getattr(args, flag)
-            setattr(module, name, None if value == "auto" else value)
+            if value == "auto":  # the value the source gives it
+                from jlora.engine.executables import switch_defaults
+
+                value = switch_defaults().get(module_name, {}).get(name)
+            setattr(module, name, value)
         elif getattr(args, flag) != default:
             raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: this jlora has no {name}")
 
@@ -772,6 +806,14 @@ def resolved_prefill_step() -> int | None:
     from jlora.kernels import paged_attention_tpu as kernel
 
     return kernel.PREFILL_STEP or 0 if hasattr(kernel, "PREFILL_STEP") else None
+
+
+def resolved_prefill_round() -> int | None:
+    """Positions a prefill program's partial chunk is rounded up to (0: whole chunks; None: an
+    older jlora, whole chunks)."""
+    from jlora.kernels import paged_attention_tpu as kernel
+
+    return kernel.PREFILL_ROUND or 0 if hasattr(kernel, "PREFILL_ROUND") else None
 
 
 def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_impl: str | None = None) -> Any:
@@ -900,6 +942,8 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
                lora_impl=args.lora_impl, lora_slices=args.lora_slices, lora_cond=resolved_lora_cond(),
                attn_seqs_per_program=args.attn_seqs_per_program, attn_prefill_step=resolved_prefill_step(),
+               attn_prefill_round=resolved_prefill_round(),
+               attn_block_rows=getattr(sys.modules.get("jlora.kernels.paged_attention_tpu"), "MAX_BLOCK_ROWS", None),
                base_graphs=getattr(llm.config, "base_graphs", None), max_num_seqs=n,
                block_size=llm.config.block_size,
                num_kv_blocks=llm.config.num_kv_blocks,
@@ -1512,6 +1556,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attn-prefill-step", default="auto", type=lambda v: v if v == "auto" else int(v),
                    help="positions a prefill program of the kernel computes a step where its chunk is partial "
                         "(0: whole chunks; auto: the kernel's default), for the engine and layers sections")
+    p.add_argument("--attn-prefill-round", default="auto", type=lambda v: v if v == "auto" else int(v),
+                   help="positions a prefill program's partial chunk is computed over, rounded up to a multiple "
+                        "of this (one block, no steps; 0: whole chunks; auto: the kernel's default), for the engine "
+                        "and layers sections")
+    p.add_argument("--attn-block-rows", default="auto", type=lambda v: v if v == "auto" else int(v),
+                   help="query rows a program of the kernel takes at most (MAX_BLOCK_ROWS; auto: the kernel's "
+                        "default), for the engine and layers sections")
     p.add_argument("--attn-seqs-per-program", type=int, default=1,
                    help="engine: decode sequences a program of the Pallas attention kernel walks "
                         "(jlora.kernels.paged_attention_tpu.SEQS_PER_PROGRAM; an experiment)")
@@ -1531,7 +1582,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kernel-variants", default="", type=parse_kernel_variants,
                    help="extra (block size)x(chunk) pairs for the kernel section, each with optional +nobc (no DMA "
                         "bounds checks), +vmemN (scoped VMEM limit, MiB), +subN (positions a compute step) and +seqsN "
-                        "(decode sequences a program), e.g. 16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8")
+                        "(decode sequences a program), +roundN (a prefill program's partial chunk rounded to N "
+                        "positions), e.g. 16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8")
+    p.add_argument("--kernel-cases", default=",".join(f"{r}x{c}x{q}" for r, c, q in KERNEL_VARIANT_CASES),
+                   type=parse_kernel_cases,
+                   help="ROWSxCONTEXTxQUERIES cases each kernel variant runs (e.g. 1x1024x1024: a whole "
+                        "1,024-token prompt from position 0)")
     p.add_argument("--load-modes", default="cold,warm", help="comma-separated, of cold, warm, direct")
     p.add_argument("--premapped-sizes", default="default,1073741824,2147483648",
                    help="runtime: TPU_PREMAPPED_BUFFER_SIZE values to start the runtime with (default: unset)")
@@ -1603,10 +1659,7 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
                 rows += bench_kernel(cfg, r, ctx, nq, block_size=args.block_size, chunk=chunk, impls=(impl,))
             _save(out, results)
         for bs, chunk, opts in args.kernel_variants:  # other page and chunk sizes, the Pallas kernel only
-            # long rows, short rows (the short workload's mean context too), a second chunk mostly empty, prefill
-            # and a whole 1,024-token prompt from position 0 (causal: early query blocks reach few pages)
-            for r, ctx, nq in ((64, 1024, 1), (64, 256, 1), (64, 160, 1), (64, 1152, 1), (1, 1024, 256),
-                               (1, 1024, 1024)):
+            for r, ctx, nq in args.kernel_cases:
                 rows += bench_kernel(cfg, r, ctx, nq, block_size=bs, chunk=chunk, impls=("pallas",), kernel_opts=opts)
             _save(out, results)
     elif section == "qmatmul":

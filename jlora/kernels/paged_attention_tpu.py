@@ -37,8 +37,9 @@ sequence's last) in steps of whole pages, at least 128 positions, skipping the s
 last page. On a v5e chip (64 rows, bf16, 128-position pages, 1,024-position chunks) steps for
 every chunk took 64 x 256 positions from 170 to 149 us but 64 x 1,024 from 218 to 408 (a step
 costs more than its share of a whole chunk), hence steps only where a chunk is partial. A prefill
-program (hundreds of rows) takes the chunk at once: rescaling its accumulator each step would cost
-more than the empty rest it skips.
+program (hundreds of rows) takes a full chunk at once, and a partial one as one smaller block
+covering its copied pages (`PREFILL_ROUND`): rescaling its accumulator each step would cost more
+than the empty rest it skips.
 
 `seqs_per_program` (an experiment, `jlora bench tpu --kernel-variants ...+seqsN`; default 1): a
 decode program walks several sequences one after the other, each as a program would, so the
@@ -63,7 +64,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jlora.kernels.attention import validate_attention_args
 
 NO_WINDOW = 1 << 30  # a window past any position
-MAX_BLOCK_ROWS = 512  # query rows (queries x heads sharing a tile) per program
+# Query rows (queries x heads sharing a tile) per program. At the 1B shape's 1,024-token prefill (a
+# v5e chip) 256 rows (the VMEM budget's cap) took 254 us, 128 rows 284 and 512 (a raised VMEM
+# limit) 633.
+MAX_BLOCK_ROWS = 512
 # What a program's blocks may take of the scoped VMEM (16 MiB by default on a v5e), by
 # `vmem_estimate`. Measured on the chip: estimates of 9 MB compiled (1B shape, 512 rows, 512-position
 # chunks); 14 and 15 MB did not ("CompileTimeScopedVmemOom", 18.6-19.9 MB actually needed: the
@@ -82,6 +86,14 @@ SMALL_PROGRAM_ROWS = 64
 # bench tpu --attn-prefill-step`): 128-position steps took a 1,024-token prefill step from 46% to
 # 43% of a v5e's MXU (the rescaling outweighed the causal half they skip; docs/tpu.md, eighth pass).
 PREFILL_STEP: int | None = None
+# A prefill program's partial chunk (the last its queries reach: a causal prompt's early query blocks
+# see a few pages of it) is computed as one block of the smallest multiple of this many positions
+# (rounded up to whole pages) that covers the pages it copied, instead of the whole chunk: one
+# branch a size, no rescaling between steps (what made PREFILL_STEP lose). 0 or None: whole chunks.
+# Read at trace time (`jlora bench tpu --attn-prefill-round`, kernel variants `+roundN`). On a v5e
+# chip a 1,024-token prompt from position 0 took 278 us whole, 253-255 us with 128 or 256
+# (docs/tpu.md, eleventh pass).
+PREFILL_ROUND: int | None = 128
 
 
 def default_chunk(kd: int, itemsize: int) -> int:
@@ -125,6 +137,16 @@ def compute_block(chunk: int, bs: int, rows: int) -> int:
     return min(chunk, bs * -(-128 // bs))
 
 
+def prefill_sizes(chunk: int, bs: int, rows: int, round_to: int | None) -> tuple[int, ...]:
+    """Block sizes a program with `rows` query rows may compute a partial chunk as, ascending, the
+    last the whole chunk: multiples of `round_to` (whole pages) for a prefill program with
+    `round_to` set, else the whole chunk alone."""
+    if rows <= SMALL_PROGRAM_ROWS or not round_to:
+        return (chunk,)
+    step = bs * -(-round_to // bs)
+    return tuple(range(step, chunk, step)) + (chunk,)
+
+
 def vmem_estimate(rows: int, chunk: int, kd: int, itemsize: int) -> int:
     """Bytes of VMEM a program uses: the K and V chunk buffers (two slots each), and per query row
     its float32 accumulator, its output block and its query block (both double-buffered by the
@@ -135,13 +157,15 @@ def vmem_estimate(rows: int, chunk: int, kd: int, itemsize: int) -> int:
 
 
 def query_block(nq: int, rows_per_query: int, sublanes: int, chunk: int = 0, kd: int = 0, itemsize: int = 2,
-                budget: int = VMEM_BUDGET) -> int:
-    """Queries per program: the largest divisor of Q whose rows fit MAX_BLOCK_ROWS and `budget`
-    (`vmem_estimate`; chunk=0 skips that check) and tile the sublanes (or all Q, which any block
-    shape allows)."""
+                budget: int = VMEM_BUDGET, max_rows: int | None = None) -> int:
+    """Queries per program: the largest divisor of Q whose rows fit `max_rows` (None:
+    MAX_BLOCK_ROWS) and `budget` (`vmem_estimate`; chunk=0 skips that check) and tile the sublanes
+    (or all Q, which any block shape allows)."""
+    limit = MAX_BLOCK_ROWS if max_rows is None else max_rows
+
     def fits(d: int) -> bool:
         rows = d * rows_per_query
-        return rows <= MAX_BLOCK_ROWS and (not chunk or d == 1 or vmem_estimate(rows, chunk, kd, itemsize) <= budget)
+        return rows <= limit and (not chunk or d == 1 or vmem_estimate(rows, chunk, kd, itemsize) <= budget)
 
     for d in range(nq, 0, -1):
         if nq % d == 0 and fits(d) and (d == nq or d * rows_per_query % sublanes == 0):
@@ -154,7 +178,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
             o_ref,  # [(S,) NT, rows, LT], f32 or q's dtype
             kbuf, vbuf, sems, m_ref, l_ref, acc_ref,  # VMEM [2, P, bs, KD] x2, DMA sems [2, 2], [NT, rows, 1] x2, [NT, rows, LT]
             state_ref,  # SMEM i32[2]: the buffer slot of this program's first chunk, whether it is already in flight
-            *, pages: int, sub: int, seqs: int, blocks_per_seq: int, n_qblocks: int, n_programs: int, lane_tile: int,
+            *, pages: int, sub: int, sizes: tuple[int, ...], seqs: int, blocks_per_seq: int, n_qblocks: int, n_programs: int, lane_tile: int,
             n_tiles: int):
     layer, window = meta_ref[0], meta_ref[1]
     bs = kbuf.shape[2]
@@ -264,8 +288,19 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
 
             wait_chunk(c, slot)
             qpos = qpos_view[...]  # [rows, 1]
-            if sub == chunk:
+            if sub == chunk and len(sizes) == 1:
                 _block(c, slot, 0, chunk, qpos, mask=pages > 1)
+                return carry
+            if sub == chunk:
+                # One block of the smallest size covering the copied pages of this chunk (all of it
+                # where the chunk is full). A size more than a page past the one below it may reach
+                # pages not copied: masked.
+                reach = npg * bs - c * chunk
+                below = 0
+                for size in sizes:
+                    fits = reach > below if size == chunk else (reach > below) & (reach <= size)
+                    pl.when(fits)(partial(_block, c, slot, 0, size, qpos, size - below > bs))
+                    below = size
                 return carry
             # A chunk with every page copied is computed at once; a partial one (a sequence's last) in
             # steps, skipping those past its last page: steps cost more each than one whole chunk.
@@ -301,7 +336,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
 
 
 @partial(jax.jit, static_argnames=("chunk", "interpret", "vmem_limit", "bounds_checks", "sub_block",
-                                   "seqs_per_program", "kv_heads"))
+                                   "seqs_per_program", "kv_heads", "prefill_round", "max_rows"))
 def paged_attention_tpu(
     q: jax.Array,  # [B, Q, H, Dh]
     cache_k: jax.Array,  # [L, NB, bs, KVH*Dh], float32 / bfloat16 / float16
@@ -324,6 +359,8 @@ def paged_attention_tpu(
     # None: SEQS_PER_PROGRAM, which `jlora bench tpu --attn-seqs-per-program` sets for an engine).
     seqs_per_program: int | None = None,
     kv_heads: int | None = None,  # the model's KV heads where the cache row is padded (`cache_lanes`)
+    prefill_round: int | None = None,  # a prefill program's partial chunk rounded to this (None: PREFILL_ROUND)
+    max_rows: int | None = None,  # query rows a program takes at most (None: MAX_BLOCK_ROWS); an experiment
 ) -> jax.Array:  # [B, Q, H, Dh] in q's dtype, zeros for a padded query
     h_out = q.shape[2]
     if kv_heads is not None and kv_heads * q.shape[3] != cache_k.shape[-1]:
@@ -349,7 +386,10 @@ def paged_attention_tpu(
     rq = hpt * g  # rows per query in a tile: its heads in the tile x the query heads of each
     cdt = cache_k.dtype
     budget = VMEM_BUDGET if vmem_limit is None else VMEM_BUDGET * vmem_limit // DEFAULT_SCOPED_VMEM
-    qb = query_block(nq, rq, 16 if jnp.dtype(cdt).itemsize == 2 else 8, chunk, kd, jnp.dtype(cdt).itemsize, budget)
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1; got {max_rows}")
+    qb = query_block(nq, rq, 16 if jnp.dtype(cdt).itemsize == 2 else 8, chunk, kd, jnp.dtype(cdt).itemsize, budget,
+                     max_rows)
     nqb, rows = nq // qb, qb * rq
 
     # Each row: its query head's vector at its KV head's lanes of the tile, zeros elsewhere. Built
@@ -385,8 +425,13 @@ def paged_attention_tpu(
         seqs_per_program = SEQS_PER_PROGRAM
     if seqs_per_program < 1:
         raise ValueError(f"seqs_per_program must be >= 1; got {seqs_per_program}")
+    if prefill_round is None:
+        prefill_round = PREFILL_ROUND
+    if prefill_round is not None and prefill_round < 0:
+        raise ValueError(f"prefill_round must be >= 0 (0: whole chunks); got {prefill_round}")
+    sizes = prefill_sizes(chunk, bs, rows, prefill_round)
     seqs = 1 if nqb > 1 else max(d for d in range(1, min(seqs_per_program, bsz) + 1) if bsz % d == 0)
-    kernel = partial(_kernel, pages=pages, sub=sub, seqs=seqs, blocks_per_seq=mb, n_qblocks=nqb,
+    kernel = partial(_kernel, pages=pages, sub=sub, sizes=sizes, seqs=seqs, blocks_per_seq=mb, n_qblocks=nqb,
                      n_programs=bsz * nqb, lane_tile=lt, n_tiles=nt)
     lead = None if seqs == 1 else seqs  # a squeezed sequence axis, or S sequences a block
     # Rows are written in q's dtype where they fill its sublane tiles (a prefill block: a bf16
