@@ -178,8 +178,8 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
             o_ref,  # [(S,) NT, rows, LT], f32 or q's dtype
             kbuf, vbuf, sems, m_ref, l_ref, acc_ref,  # VMEM [2, P, bs, KD] x2, DMA sems [2, 2], [NT, rows, 1] x2, [NT, rows, LT]
             state_ref,  # SMEM i32[2]: the buffer slot of this program's first chunk, whether it is already in flight
-            *, pages: int, sub: int, sizes: tuple[int, ...], seqs: int, blocks_per_seq: int, n_qblocks: int, n_programs: int, lane_tile: int,
-            n_tiles: int):
+            *, pages: int, sub: int, sizes: tuple[int, ...], seqs: int, blocks_per_seq: int, n_qblocks: int,
+            n_programs: int, lane_tile: int, n_tiles: int):
     layer, window = meta_ref[0], meta_ref[1]
     bs = kbuf.shape[2]
     chunk = pages * bs
