@@ -10,6 +10,8 @@ groups, padding, sliding windows, bfloat16 caches and a second layer of the cach
 
 from __future__ import annotations
 
+import base64
+import re
 from functools import partial
 
 import jax
@@ -144,8 +146,10 @@ def test_prefill_programs_compute_a_partial_chunk_as_one_smaller_block(round_to,
     monkeypatch.setattr(kernel, "PREFILL_ROUND", round_to)  # the module's switch, as the engine traces it
     got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, interpret=nan)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
-    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, max_rows=128, interpret=nan)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)  # 16 queries a program
+    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, max_rows=128, interpret=nan,
+                              trace_regions=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)  # 16 queries a program,
+    # with trace regions (named scopes) in the kernel
     with pytest.raises(ValueError, match="max_rows must be >= 1"):
         paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, max_rows=0, interpret=True)
     with pytest.raises(ValueError, match="prefill_round must be >= 0"):
@@ -357,6 +361,14 @@ def test_experiment_knobs_reach_mosaic():
     assert "disable_bounds_checks" not in plain and "scoped_memory_configs" not in plain
     assert "disable_bounds_checks" in knobs and "scoped_memory_configs" in knobs
 
+    def kernel_body(text: str) -> bytes:  # the Mosaic module, serialized in the custom call's config
+        return base64.b64decode(re.search(r'\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22', text).group(1))
+
+    # trace_regions: named scopes become Mosaic trace regions (for a profile); none by default.
+    regions = kernel_body(lowered(trace_regions=True))
+    assert all(name in regions for name in (b"tpu.trace_start", b"scores", b"softmax", b"values", b"wait"))
+    assert b"tpu.trace_start" not in kernel_body(plain)
+
 
 def test_kernel_variant_specs_parse_and_bad_ones_are_named():
     import argparse
@@ -366,7 +378,7 @@ def test_kernel_variant_specs_parse_and_bad_ones_are_named():
     assert parse_kernel_variants("16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8,128x1024+round256") == [
         (16, 256, {}), (128, 1024, {"bounds_checks": False, "vmem_limit": 64 * 2**20}),
         (128, 1024, {"sub_block": 1024, "seqs_per_program": 8}), (128, 1024, {"prefill_round": 256})]
-    assert parse_kernel_variants("128x1024+rows128") == [(128, 1024, {"max_rows": 128})]
+    assert parse_kernel_variants("128x1024+rows128+regions") == [(128, 1024, {"max_rows": 128, "trace_regions": True})]
     assert parse_kernel_variants("") == []
     from jlora.bench.tpu import KERNEL_VARIANT_CASES, parse_args, parse_kernel_cases
 

@@ -300,6 +300,18 @@ def test_kernel_rows_name_their_page_chunk_and_knobs():
     assert all(r["us"] > 0 and r["max_err"] < 1e-2 for r in got)
 
 
+def test_kernel_profile_keeps_each_cases_device_ops(capsys):
+    """`--kernel-profile`: one more loop per case under jax.profiler, its summary kept in the row and
+    printed (XLA:CPU has no device plane, which the summary says; on a TPU it lists the ops)."""
+    got = tpu.bench_kernel(tpu.SHAPES["tiny"], 2, 64, 1, reps=2, block_size=16, chunk=32, impls=("pallas",),
+                           profile=True)
+    assert len(got) == 1
+    summary = got[0]["profile"]  # not "no trace": the trace was written and read back
+    assert summary == "no device plane" or "== /device:" in summary
+    assert "== kernel profile pallas" in capsys.readouterr().out
+    assert tpu.parse_args(["--kernel-profile"]).kernel_profile and not tpu.parse_args([]).kernel_profile
+
+
 def test_runtime_section_times_the_backend_start_imports_and_transfers(tmp_path):
     """`--sections runtime` (here on the CPU): one fresh process per TPU_PREMAPPED_BUFFER_SIZE value
     with its start and a 512 MB transfer each way, then LLM()'s imports alone and beside the start."""

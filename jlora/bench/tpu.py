@@ -294,8 +294,9 @@ def parse_kernel_variants(spec: str) -> list[tuple[int, int, dict[str, Any]]]:
     kernel's DMA bounds checks off), +vmemN (its scoped VMEM limit, N MiB), +subN (N positions
     a compute step, `sub_block`; +subCHUNK computes whole chunks, as before the steps), +seqsN
     (N decode sequences a program, `seqs_per_program`), +roundN (a prefill program's partial
-    chunk as one block rounded up to N positions, `prefill_round`; +round0: whole chunks) and
-    +rowsN (at most N query rows a program, `max_rows`)."""
+    chunk as one block rounded up to N positions, `prefill_round`; +round0: whole chunks),
+    +rowsN (at most N query rows a program, `max_rows`) and +regions (the kernel's named trace
+    regions, for `--kernel-profile`)."""
     out = []
     for item in filter(None, spec.split(",")):
         size, *flags = item.split("+")
@@ -315,11 +316,13 @@ def parse_kernel_variants(spec: str) -> list[tuple[int, int, dict[str, Any]]]:
                     opts["prefill_round"] = int(f[5:])
                 elif f.startswith("rows"):
                     opts["max_rows"] = int(f[4:])
+                elif f == "regions":
+                    opts["trace_regions"] = True
                 else:
                     raise ValueError(f)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{item!r}: want BSxCHUNK[+nobc][+vmemN][+subN][+seqsN][+roundN][+rowsN], e.g. 128x1024+nobc+vmem64")
+                f"{item!r}: want BSxCHUNK[+nobc][+vmemN][+subN][+seqsN][+roundN][+rowsN][+regions], e.g. 128x1024+nobc+vmem64")
         out.append((bs, chunk, opts))
     return out
 
@@ -346,10 +349,12 @@ def parse_kernel_cases(spec: str) -> tuple[tuple[int, int, int], ...]:
 
 def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: int = 20,
                  block_size: int = 16, chunk: int = 128, impls: tuple[str, ...] = ("pallas", "xla"),
-                 kernel_opts: dict[str, Any] | None = None) -> list[dict]:
+                 kernel_opts: dict[str, Any] | None = None, profile: bool = False) -> list[dict]:
     """Each implementation repeated `reps` times inside one jit (its output feeds the next query, so
     nothing is hoisted); KV bytes a call must read / its time = GB/s. Also its error against the
-    reference on the first call. `kernel_opts`: `paged_attention_tpu`'s experiment knobs."""
+    reference on the first call. `kernel_opts`: `paged_attention_tpu`'s experiment knobs.
+    `profile`: one more timed loop under `jax.profiler`, its device ops (the kernel apart from the
+    query and output re-layouts around it) printed and kept as the row's `profile`."""
     import jax
     import jax.numpy as jnp
 
@@ -401,6 +406,14 @@ def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: in
         print(f"  kernel {label}: {dt * 1e6:8.1f} us, "
               f"{kv_bytes / dt / 1e9:6.1f} GB/s ({kv_bytes / dt / HBM_BYTES_PER_S:.0%} of HBM), max err {err:.1e}",
               flush=True)
+        if profile:
+            trace = tempfile.mkdtemp(prefix="jlora-trace-kernel-")
+            jax.profiler.start_trace(trace)
+            loop(q).block_until_ready()
+            jax.profiler.stop_trace()
+            out[-1]["profile"] = top = profile_top(trace, n=8, all_lines=True)
+            shutil.rmtree(trace, ignore_errors=True)
+            print(f"== kernel profile {label} ({reps} calls)\n{top}", flush=True)
     return out
 
 
@@ -693,8 +706,9 @@ def whole_weight_copies(llm: Any) -> list[str]:
             for c in find(text, shape)]
 
 
-def profile_top(trace_dir: str, n: int = 20) -> str:
-    """Device time per XLA module and the top device ops of the newest trace under trace_dir."""
+def profile_top(trace_dir: str, n: int = 20, all_lines: bool = False) -> str:
+    """Device time per XLA module and the top device ops of the newest trace under trace_dir (with
+    `all_lines`, every line of the device planes: a Pallas kernel's trace regions among them)."""
     from jax.profiler import ProfileData
 
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
@@ -709,7 +723,7 @@ def profile_top(trace_dir: str, n: int = 20) -> str:
             for e in line.events:
                 total[e.name] += e.duration_ns
                 count[e.name] += 1
-            if not total or line.name not in ("XLA Modules", "XLA Ops"):
+            if not total or not all_lines and line.name not in ("XLA Modules", "XLA Ops"):
                 continue
             lines.append(f"== {plane.name} | {line.name}: {sum(total.values()) / 1e6:.1f} ms")
             for name, ns in total.most_common(n):
@@ -1583,7 +1597,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="extra (block size)x(chunk) pairs for the kernel section, each with optional +nobc (no DMA "
                         "bounds checks), +vmemN (scoped VMEM limit, MiB), +subN (positions a compute step) and +seqsN "
                         "(decode sequences a program), +roundN (a prefill program's partial chunk rounded to N "
-                        "positions), e.g. 16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8")
+                        "positions), +rowsN (query rows a program) and +regions (the kernel's trace regions), e.g. 16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="kernel variants: trace one more loop of each case and print its device ops (the kernel "
+                        "apart from the XLA re-layouts around it)")
     p.add_argument("--kernel-cases", default=",".join(f"{r}x{c}x{q}" for r, c, q in KERNEL_VARIANT_CASES),
                    type=parse_kernel_cases,
                    help="ROWSxCONTEXTxQUERIES cases each kernel variant runs (e.g. 1x1024x1024: a whole "
@@ -1660,7 +1677,8 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
             _save(out, results)
         for bs, chunk, opts in args.kernel_variants:  # other page and chunk sizes, the Pallas kernel only
             for r, ctx, nq in args.kernel_cases:
-                rows += bench_kernel(cfg, r, ctx, nq, block_size=bs, chunk=chunk, impls=("pallas",), kernel_opts=opts)
+                rows += bench_kernel(cfg, r, ctx, nq, block_size=bs, chunk=chunk, impls=("pallas",), kernel_opts=opts,
+                                     profile=args.kernel_profile)
             _save(out, results)
     elif section == "qmatmul":
         measured: list[dict[str, Any]] = []

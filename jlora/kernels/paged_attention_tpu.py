@@ -53,6 +53,7 @@ against the reference); `jax.export` lowers it for platforms=["tpu"] without the
 
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial, reduce
 
@@ -179,8 +180,12 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
             kbuf, vbuf, sems, m_ref, l_ref, acc_ref,  # VMEM [2, P, bs, KD] x2, DMA sems [2, 2], [NT, rows, 1] x2, [NT, rows, LT]
             state_ref,  # SMEM i32[2]: the buffer slot of this program's first chunk, whether it is already in flight
             *, pages: int, sub: int, sizes: tuple[int, ...], seqs: int, blocks_per_seq: int, n_qblocks: int,
-            n_programs: int, lane_tile: int, n_tiles: int):
+            n_programs: int, lane_tile: int, n_tiles: int, regions: bool):
     layer, window = meta_ref[0], meta_ref[1]
+
+    def region(name: str):
+        """A named scope, which Mosaic lowers to a trace region of the profile, where `regions` is on."""
+        return jax.named_scope(name) if regions else contextlib.nullcontext()
     bs = kbuf.shape[2]
     chunk = pages * bs
 
@@ -242,16 +247,19 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
                 v = rows_of(vbuf, lanes)
                 if copied is not None:
                     v = jnp.where(copied, v, 0)
-                s = jax.lax.dot_general(q_view[t], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                s = jnp.where(visible, s, -jnp.inf)
-                m_prev = m_ref[t]
-                m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                p = jnp.exp(s - m_safe)
-                alpha = jnp.exp(m_prev - m_safe)
-                l_ref[t] = alpha * l_ref[t] + p.sum(axis=1, keepdims=True)
-                acc_ref[t] = alpha * acc_ref[t] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-                m_ref[t] = m_new
+                with region("scores"):
+                    s = jax.lax.dot_general(q_view[t], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                with region("softmax"):
+                    s = jnp.where(visible, s, -jnp.inf)
+                    m_prev = m_ref[t]
+                    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+                    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                    p = jnp.exp(s - m_safe)
+                    alpha = jnp.exp(m_prev - m_safe)
+                    l_ref[t] = alpha * l_ref[t] + p.sum(axis=1, keepdims=True)
+                with region("values"):
+                    acc_ref[t] = alpha * acc_ref[t] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+                    m_ref[t] = m_new
 
         start, wait = (lambda cp: cp.start()), (lambda cp: cp.wait())
 
@@ -286,7 +294,8 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
             def _next_program():
                 chunk_copies(nxt, next_lo, 1 - slot, next_npg, start)
 
-            wait_chunk(c, slot)
+            with region("wait"):
+                wait_chunk(c, slot)
             qpos = qpos_view[...]  # [rows, 1]
             if sub == chunk and len(sizes) == 1:
                 _block(c, slot, 0, chunk, qpos, mask=pages > 1)
@@ -322,7 +331,8 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
         state_ref[0] = jnp.where(lo < hi, 1 - jax.lax.rem(slot0 + hi - lo - 1, 2), 0)
         state_ref[1] = jnp.where(lo < hi, prefetch_next.astype(jnp.int32), 0)
         l = l_ref[...]
-        o_view[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_view.dtype)
+        with region("finish"):
+            o_view[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_view.dtype)
 
     b, i = pl.program_id(0), pl.program_id(1)
     if seqs == 1:
@@ -336,7 +346,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
 
 
 @partial(jax.jit, static_argnames=("chunk", "interpret", "vmem_limit", "bounds_checks", "sub_block",
-                                   "seqs_per_program", "kv_heads", "prefill_round", "max_rows"))
+                                   "seqs_per_program", "kv_heads", "prefill_round", "max_rows", "trace_regions"))
 def paged_attention_tpu(
     q: jax.Array,  # [B, Q, H, Dh]
     cache_k: jax.Array,  # [L, NB, bs, KVH*Dh], float32 / bfloat16 / float16
@@ -361,6 +371,9 @@ def paged_attention_tpu(
     kv_heads: int | None = None,  # the model's KV heads where the cache row is padded (`cache_lanes`)
     prefill_round: int | None = None,  # a prefill program's partial chunk rounded to this (None: PREFILL_ROUND)
     max_rows: int | None = None,  # query rows a program takes at most (None: MAX_BLOCK_ROWS); an experiment
+    # Named scopes around the wait, scores, softmax, values and finish of each block, which Mosaic
+    # lowers to trace regions (`jlora bench tpu --kernel-profile`, variant `+regions`); off by default.
+    trace_regions: bool = False,
 ) -> jax.Array:  # [B, Q, H, Dh] in q's dtype, zeros for a padded query
     h_out = q.shape[2]
     if kv_heads is not None and kv_heads * q.shape[3] != cache_k.shape[-1]:
@@ -431,7 +444,7 @@ def paged_attention_tpu(
         raise ValueError(f"prefill_round must be >= 0 (0: whole chunks); got {prefill_round}")
     sizes = prefill_sizes(chunk, bs, rows, prefill_round)
     seqs = 1 if nqb > 1 else max(d for d in range(1, min(seqs_per_program, bsz) + 1) if bsz % d == 0)
-    kernel = partial(_kernel, pages=pages, sub=sub, sizes=sizes, seqs=seqs, blocks_per_seq=mb, n_qblocks=nqb,
+    kernel = partial(_kernel, pages=pages, sub=sub, sizes=sizes, seqs=seqs, regions=trace_regions, blocks_per_seq=mb, n_qblocks=nqb,
                      n_programs=bsz * nqb, lane_tile=lt, n_tiles=nt)
     lead = None if seqs == 1 else seqs  # a squeezed sequence axis, or S sequences a block
     # Rows are written in q's dtype where they fill its sublane tiles (a prefill block: a bf16
