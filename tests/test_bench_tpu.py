@@ -129,7 +129,8 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
            "--sections", "checkpoint,load,qmatmul,agree,engine,warm", "--quantization", "int8",
            "--workloads", "11", "--max-num-seqs", "auto", "--max-seqs-cap", "3", "--token-buckets", "128",
            "--max-num-batched-tokens", "128", "--qmatmul-rows", "4", "--agree-shape", "tiny", "--quick",
-           "--lora-slices", "before", "--base-graphs", "decode", "--prefill-slack", "off,0.05", "--sample-stacks"]
+           "--lora-slices", "before", "--base-graphs", "decode", "--prefill-slack", "off,0.05", "--sample-stacks",
+           "--repeats", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     r = json.loads((out / "results.json").read_text())
@@ -145,6 +146,9 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
     assert eng["block_size"] == 128  # the TPU's automatic size at max_model_len 2048, as the chip would run it
     assert eng["compiles_after_warmup"] == 0 and eng["whole_cache_copies"] == [] and eng["whole_weight_copies"] == []
     assert eng["lora_slices"] == "before" and eng["adapter_first_load_s"] > 0  # adapters loaded before the timing
+    # two rounds of the workload under each prefill policy, folded per workload (no adapter-free run: no cost)
+    assert [w["rounds"] for w in eng["repeat_summary"]["workloads"].values()] == [2, 2]
+    assert eng["repeat_summary"]["lora_cost"] == {}
     # Ready, a first request served, then every graph before the timed workloads (the CPU's eager
     # warm-up: the background one is tested without the compile cache, tests/test_startup.py).
     assert eng["warmup_mode"] == run["warm"]["warmup_mode"] == "eager"
@@ -153,7 +157,8 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
     assert eng["base_graphs"] == "decode" and eng["graphs"] == 5
     assert set(eng["compile_seconds"]["graphs"]) == {"(1, 0, 0)", "(1, 0, 0) base", "(3, 0, 0)", "(3, 0, 0) base",
                                                      "(3, 1, 128)"}
-    assert [row["prefill_slack"] for row in run["workloads"]] == [None, 0.05]  # one run per policy
+    assert [(row["prefill_slack"], row["round"]) for row in run["workloads"]] == [
+        (None, 0), (None, 1), (0.05, 0), (0.05, 1)]  # two rounds per policy
     for row in run["workloads"]:
         assert row["quantization"] == "int8" and row["requests"] == 3 and row["generated"] == 3 * 256
     assert run["warm"]["weights_cache_hit"] is True and run["warm"]["compiles"] == run["warm"]["cache_hits"]
@@ -325,3 +330,28 @@ def test_runtime_section_times_the_backend_start_imports_and_transfers(tmp_path)
     assert rows[2]["imports_s"] > 0 and rows[3]["both_s"] >= rows[3]["imports_s"] > 0
     assert json.loads((tmp_path / "results.json").read_text())["runtime"] == rows
     assert tpu.plan_processes(["checkpoint", "runtime", "engine"]) == [["checkpoint"], ["runtime"], ["engine"]]
+
+
+def test_repeat_summary_pairs_each_round_with_its_own_adapter_free_run():
+    """`--repeats`: per workload the median and range over rounds, and LoRA's cost taken round by
+    round against the same round's adapter-free run (a slow round moves both sides)."""
+    def row(adapters: int, tok_s: float, round_: int, new: int = 256) -> dict:
+        name = f"64x(1024 in, {new} out), " + ("no adapter" if not adapters else f"{adapters} mixed adapters")
+        return dict(workload=name, requests=64, prompt=1024, new=new, adapters=adapters, tok_s=tok_s, round=round_,
+                    prefill_mxu_fraction=0.4 + round_ / 100, decode_ms_median=8.0 + round_, prefill_slack=0.05)
+
+    rows = [row(0, 4400, 0), row(4, 4180, 0), row(0, 4000, 1), row(4, 3960, 1), row(0, 4500, 2), row(4, 4230, 2),
+            row(4, 999, 0, new=512)]  # no adapter-free run of its own: no cost for it
+    got = tpu.repeat_summary(rows)
+    none = got["workloads"]["64x(1024 in, 256 out), no adapter"]
+    assert (none["rounds"], none["tok_s_median"], none["tok_s_min"], none["tok_s_max"]) == (3, 4400, 4000, 4500)
+    assert none["prefill_mxu_median"] == pytest.approx(0.41) and none["decode_ms_median"] == 9.0
+    cost = got["lora_cost"]["64x(1024 in, 256 out), 4 mixed adapters"]
+    assert cost["rounds"] == 3 and cost["median"] == pytest.approx(0.05)  # rounds: 5%, 1%, 6%
+    assert cost["min"] == pytest.approx(0.01) and cost["max"] == pytest.approx(0.06)
+    assert list(got["lora_cost"]) == ["64x(1024 in, 256 out), 4 mixed adapters"]
+    text = tpu.format_repeat_summary(got)
+    assert "LoRA's cost, 64x(1024 in, 256 out), 4 mixed adapters: 5.0% [1.0%, 6.0%]" in text
+    assert tpu.parse_args(["--repeats", "3"]).repeats == 3 and tpu.parse_args([]).repeats == 1
+    with pytest.raises(SystemExit):
+        tpu.parse_args(["--repeats", "0"])

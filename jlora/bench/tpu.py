@@ -678,6 +678,40 @@ def run_workload(llm: Any, log: StepLog, name: str, n: int, prompt_len: int, new
     return row
 
 
+def repeat_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Workload rows of several rounds (`--repeats`) folded per workload: median, min and max tok/s,
+    the median prefill MXU share and decode ms; and LoRA's cost per round, pairing each adapter
+    workload with the adapter-free one of the same requests, prompt and new tokens in the same round
+    (so a noisy round moves both sides), with its median and range."""
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_name.setdefault(r["workload"], []).append(r)
+    workloads = {}
+    for name, rs in by_name.items():
+        tok = [r["tok_s"] for r in rs]
+        workloads[name] = dict(rounds=len(rs), tok_s_median=float(np.median(tok)), tok_s_min=min(tok), tok_s_max=max(tok),
+                               prefill_mxu_median=float(np.median([r["prefill_mxu_fraction"] for r in rs])),
+                               decode_ms_median=float(np.median([r.get("decode_ms_median", 0.0) for r in rs])))
+    base = {(r["requests"], r["prompt"], r["new"], r.get("round", 0), r.get("prefill_slack")): r
+            for r in rows if r["adapters"] == 0}
+    costs: dict[str, list[float]] = {}
+    for r in rows:
+        b = base.get((r["requests"], r["prompt"], r["new"], r.get("round", 0), r.get("prefill_slack")))
+        if r["adapters"] and b is not None:
+            costs.setdefault(r["workload"], []).append(1 - r["tok_s"] / b["tok_s"])
+    lora = {name: dict(rounds=len(c), median=float(np.median(c)), min=min(c), max=max(c)) for name, c in costs.items()}
+    return dict(workloads=workloads, lora_cost=lora)
+
+
+def format_repeat_summary(summary: dict[str, Any]) -> str:
+    lines = [f"  {name}: {w['tok_s_median']:.0f} tok/s [{w['tok_s_min']:.0f}, {w['tok_s_max']:.0f}], prefill "
+             f"{w['prefill_mxu_median']:.1%} of MXU, decode {w['decode_ms_median']:.2f} ms ({w['rounds']} rounds)"
+             for name, w in summary["workloads"].items()]
+    lines += [f"  LoRA's cost, {name}: {c['median']:.1%} [{c['min']:.1%}, {c['max']:.1%}] ({c['rounds']} rounds, "
+              "each against the same round's adapter-free run)" for name, c in summary["lora_cost"].items()]
+    return "\n".join(lines)
+
+
 def whole_cache_copies(llm: Any) -> dict[str, Any]:
     """Every compiled step graph's copies, transposes and copy fusions of a whole K or V cache
     (XLA re-laying out the cache: what a v5e profile found four of per step). Must be empty."""
@@ -998,7 +1032,9 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     picked = set(names.split(",")) if names else None
     from jlora.engine import scheduler
 
-    for slack in args.prefill_slack or [getattr(scheduler, "PREFILL_SLACK", None)]:
+    first_row = len(rows)
+    for slack, round_ in [(s, r) for s in args.prefill_slack or [getattr(scheduler, "PREFILL_SLACK", None)]
+                          for r in range(args.repeats)]:
         if args.prefill_slack:  # several scheduler policies on one engine: the same graphs
             if not hasattr(scheduler, "PREFILL_SLACK"):
                 raise SystemExit("--prefill-slack: this jlora's scheduler has one prefill policy")
@@ -1013,8 +1049,12 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
             if hasattr(llm, "reset_prefix_cache"):  # a policy's rerun must not hit the last one's blocks
                 llm.reset_prefix_cache()
             row = run_workload(llm, log, label, count, plen, new, loras[:k], seed=i, mxu_peak=mxu, phases=phases)
-            rows.append({**row, "quantization": args.quantization, "max_num_seqs": n, "prefill_slack": slack})
+            rows.append({**row, "quantization": args.quantization, "max_num_seqs": n, "prefill_slack": slack,
+                         "round": round_})
             _save(out, results)
+    if args.repeats > 1:
+        eng["repeat_summary"] = summary = repeat_summary(rows[first_row:])
+        print("over " + f"{args.repeats} rounds (median [min, max]):\n" + format_repeat_summary(summary), flush=True)
     eng["compiles_after_warmup"] = compile_stats.compile_count() - compiles_before
     eng["device_memory_after_workloads"] = device_memory()  # its peak: what the steps' temporaries took
     print(f"compiles after warm-up: {eng['compiles_after_warmup']}; device memory {eng['device_memory_after_workloads']}",
@@ -1536,6 +1576,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sections", default="checkpoint,kernel,engine", help=f"comma-separated, of {list(SECTIONS)}")
     p.add_argument("--quantization", default="none", choices=["none", "int8-weight-only", "int8"],
                    help="LLM(quantization=...) for load, engine and warm (int8: W8A8 on TPU and CPU)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="engine: run the workloads this many rounds on one engine, in the same order each round, "
+                        "and print each one's median and LoRA's cost paired round by round")
     p.add_argument("--workloads", default="", help="comma-separated indices into WORKLOADS (default: the shape's "
                                                    "DEFAULT_WORKLOADS, else every row that fits)")
     p.add_argument("--dtype", default="bfloat16")
@@ -1635,6 +1678,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
     if unknown:
         p.error(f"--sections: unknown {unknown}; choose from {list(SECTIONS)}")
+    if args.repeats < 1:
+        p.error(f"--repeats: at least 1 round; got {args.repeats}")
     return args
 
 
