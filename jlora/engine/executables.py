@@ -103,6 +103,19 @@ def _stable(value: Any) -> str | None:
 _switch_defaults: dict[str, dict[str, Any]] | None = None
 
 
+def _parse(source: str, attempts: int = 5) -> ast.Module:
+    """`ast.parse`, again where CPython 3.11 reports "AST constructor recursion depth mismatch": its
+    AST-to-object depth counter is shared by threads, and `LLM()` parses while its import thread runs
+    (a test saw it once). The source is the same, so a parse that completes is the right one."""
+    for attempt in range(attempts):
+        try:
+            return ast.parse(source)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def switch_defaults() -> dict[str, dict[str, Any]]:
     """module -> {NAME: its literal value in the source} for the upper-case module constants of the
     packages a trace reads (`_TRACED`): the switches, as the code sets them."""
@@ -114,7 +127,7 @@ def switch_defaults() -> dict[str, dict[str, Any]]:
             module = module.removesuffix(".__init__")
             if not any(module == p or module.startswith(p + ".") for p in _TRACED):
                 continue
-            for node in ast.parse(f.read_text()).body:
+            for node in _parse(f.read_text()).body:
                 target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else (
                     node.target if isinstance(node, ast.AnnAssign) and node.value is not None else None)
                 if isinstance(target, ast.Name) and target.id.isupper():

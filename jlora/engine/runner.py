@@ -438,8 +438,8 @@ class ModelRunner:
     def _compile(self, keys: list[tuple[tuple[int, int, int], bool]], progress: bool = False,
                  stage: str = "step", stop: threading.Event | None = None) -> None:
         """Trace and lower each graph ((shape, with LoRA): Python, one at a time), then compile them on
-        all cores at once: XLA compiles outside the GIL, and the step graphs do not depend on each
-        other. Not overlapped: on XLA:CPU a compile-cache load beside the next graph's tracing crashed
+        all cores at once (one at a time on XLA:CPU, below): XLA compiles outside the GIL, and the step
+        graphs do not depend on each other. Not overlapped: on XLA:CPU a compile-cache load beside the next graph's tracing crashed
         the process (a segfault in XLA's executable deserialization). `stop`: lower no more graphs
         once set, and compile none."""
         if not keys:
@@ -476,7 +476,12 @@ class ModelRunner:
 
         if keys:
             bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
-            with ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1)) as pool:
+            # One graph at a time on XLA:CPU: a CI run segfaulted there writing one graph's executable
+            # to JAX's persistent cache while another thread compiled (tests/test_prefix_cache.py), and
+            # XLA:CPU compiles with threads of its own (the tiny model's graphs: 12.75 s one at a time,
+            # 12.35 s two at once on 2 cores).
+            workers = 1 if jax.default_backend() == "cpu" else min(len(keys), os.cpu_count() or 1)
+            with ThreadPoolExecutor(max_workers=workers) as pool:
                 for _ in pool.map(build, keys):
                     bar.update(1)
             bar.close()
