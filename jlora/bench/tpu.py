@@ -692,11 +692,13 @@ def repeat_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         workloads[name] = dict(rounds=len(rs), tok_s_median=float(np.median(tok)), tok_s_min=min(tok), tok_s_max=max(tok),
                                prefill_mxu_median=float(np.median([r["prefill_mxu_fraction"] for r in rs])),
                                decode_ms_median=float(np.median([r.get("decode_ms_median", 0.0) for r in rs])))
-    base = {(r["requests"], r["prompt"], r["new"], r.get("round", 0), r.get("prefill_slack")): r
-            for r in rows if r["adapters"] == 0}
+    def pair(r: dict[str, Any]) -> tuple:  # what an adapter run shares with its adapter-free one
+        return r["requests"], r["prompt"], r["new"], r.get("round", 0), r.get("prefill_slack")
+
+    base = {pair(r): r for r in rows if r["adapters"] == 0}
     costs: dict[str, list[float]] = {}
     for r in rows:
-        b = base.get((r["requests"], r["prompt"], r["new"], r.get("round", 0), r.get("prefill_slack")))
+        b = base.get(pair(r))
         if r["adapters"] and b is not None:
             costs.setdefault(r["workload"], []).append(1 - r["tok_s"] / b["tok_s"])
     lora = {name: dict(rounds=len(c), median=float(np.median(c)), min=min(c), max=max(c)) for name, c in costs.items()}
@@ -848,20 +850,22 @@ def resolved_lora_cond() -> str:
     return llama.lora_cond() if hasattr(llama, "lora_cond") else getattr(llama, "LORA_COND", "pass")
 
 
-def resolved_prefill_step() -> int | None:
-    """Positions a prefill program of the kernel computes a step (0: whole chunks; None: an older
-    jlora, whole chunks)."""
+def _kernel_positions(name: str) -> int | None:
+    """A positions switch of the attention kernel as traced (0: off, whole chunks; None: an older
+    jlora without it)."""
     from jlora.kernels import paged_attention_tpu as kernel
 
-    return kernel.PREFILL_STEP or 0 if hasattr(kernel, "PREFILL_STEP") else None
+    return getattr(kernel, name) or 0 if hasattr(kernel, name) else None
+
+
+def resolved_prefill_step() -> int | None:
+    """Positions a prefill program of the kernel computes a step (0: whole chunks)."""
+    return _kernel_positions("PREFILL_STEP")
 
 
 def resolved_prefill_round() -> int | None:
-    """Positions a prefill program's partial chunk is rounded up to (0: whole chunks; None: an
-    older jlora, whole chunks)."""
-    from jlora.kernels import paged_attention_tpu as kernel
-
-    return kernel.PREFILL_ROUND or 0 if hasattr(kernel, "PREFILL_ROUND") else None
+    """Positions a prefill program's partial chunk is rounded up to (0: whole chunks)."""
+    return _kernel_positions("PREFILL_ROUND")
 
 
 def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_impl: str | None = None) -> Any:
