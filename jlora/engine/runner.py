@@ -468,16 +468,21 @@ class ModelRunner:
             self._executables[key] = compiled
             self._pending.discard(key)  # after the executable is in: a reader that sees it gone finds it
             self.compile_seconds["graphs"][f"{key[0]}{'' if key[1] else ' base'}"] = time.perf_counter() - t
-            # Written off the warm-up's path (serving does not wait for the disk), and only when
-            # compiled here: XLA:CPU re-serializes a compile-cache load without its kernels (it then
-            # fails to run: "Function wrapped_iota not found").
+            # Only when compiled here: XLA:CPU re-serializes a compile-cache load without its kernels
+            # (it then fails to run: "Function wrapped_iota not found"). Written off the warm-up's
+            # path (serving does not wait for the disk), except on XLA:CPU: CI runs segfaulted twice
+            # while one thread serialized an executable and another compiled or loaded one.
             if store is not None and compiled_here:
-                _STORE_WRITES.submit(store.put, graph_name(key), compiled, self._out_layouts[key[0]])
+                write = (store.put, graph_name(key), compiled, self._out_layouts[key[0]])
+                if jax.default_backend() == "cpu":
+                    write[0](*write[1:])
+                else:
+                    _STORE_WRITES.submit(*write)
 
         if keys:
             bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
-            # One graph at a time on XLA:CPU: a CI run segfaulted there writing one graph's executable
-            # to JAX's persistent cache while another thread compiled (tests/test_prefix_cache.py), and
+            # One graph at a time on XLA:CPU: CI runs segfaulted there with two threads in XLA at once
+            # (tests/test_prefix_cache.py: a store write beside a compile or a compile-cache load), and
             # XLA:CPU compiles with threads of its own (the tiny model's graphs: 12.75 s one at a time,
             # 12.35 s two at once on 2 cores).
             workers = 1 if jax.default_backend() == "cpu" else min(len(keys), os.cpu_count() or 1)
