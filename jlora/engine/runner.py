@@ -481,14 +481,18 @@ class ModelRunner:
 
         if keys:
             bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
-            # One graph at a time on XLA:CPU: CI runs segfaulted there with two threads in XLA at once
-            # (tests/test_prefix_cache.py: a store write beside a compile or a compile-cache load), and
+            # One graph at a time on XLA:CPU, in the calling thread: CI runs segfaulted there in a
+            # compile-cache write and then a load on a pool's thread (tests/test_prefix_cache.py), and
             # XLA:CPU compiles with threads of its own (the tiny model's graphs: 12.75 s one at a time,
             # 12.35 s two at once on 2 cores).
-            workers = 1 if jax.default_backend() == "cpu" else min(len(keys), os.cpu_count() or 1)
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                for _ in pool.map(build, keys):
+            if jax.default_backend() == "cpu":
+                for key in keys:
+                    build(key)
                     bar.update(1)
+            else:
+                with ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1)) as pool:
+                    for _ in pool.map(build, keys):
+                        bar.update(1)
             bar.close()
         # Where warm-up goes (start-up's largest part on a TPU): stored executables loaded, Python
         # tracing and lowering, one graph at a time, then the compiles (or persistent-cache loads)
