@@ -9,7 +9,33 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # threads, 1.7 s on one). The references are small; XLA's own thread pool does not read this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import gc
+
 import pytest
+
+# Engines dropped by a test stay in reference cycles until the cyclic collector's rare full pass, and
+# each holds its XLA:CPU executables' code mapped: over the whole suite the process reached Linux's
+# 65,530 memory maps (vm.max_map_count) and XLA segfaulted in whichever executable it serialized or
+# loaded next (three CI runs, each ~2/3 of the way through). One collection frees them (25,434 maps
+# after tests/test_prefix_cache.py, 1,515 after).
+MAPS_BEFORE_COLLECTING = 16384
+
+
+def memory_maps() -> int:
+    """This process's memory mappings (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _collect_dropped_engines():
+    yield
+    if memory_maps() > MAPS_BEFORE_COLLECTING:
+        gc.collect()
+
 
 # Small bucket sets keep warm-up short on a 2-core CI machine; the graphs are the same kind.
 TEST_ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128, max_loras=4, max_lora_rank=32,

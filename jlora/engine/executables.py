@@ -216,8 +216,6 @@ class ExecutableStore:
             todo = [n for n in names if n not in self._futures and self.path(n).is_file()]
             if todo and self._pool is None:
                 threads = int(os.environ.get("JLORA_EXECUTABLE_LOAD_THREADS", "4"))  # (an experiment's knob)
-                if jax.default_backend() == "cpu":  # one thread in XLA:CPU at a time (runner.py: CI segfaults)
-                    threads = 1
                 self._pool = ThreadPoolExecutor(max_workers=max(1, min(threads, os.cpu_count() or 1)),
                                                 thread_name_prefix="jlora-executables")
             for n in todo:

@@ -440,8 +440,9 @@ class ModelRunner:
         """Trace and lower each graph ((shape, with LoRA): Python, one at a time), then compile them on
         all cores at once (one at a time on XLA:CPU, below): XLA compiles outside the GIL, and the step
         graphs do not depend on each other. Not overlapped: on XLA:CPU a compile-cache load beside the next graph's tracing crashed
-        the process (a segfault in XLA's executable deserialization). `stop`: lower no more graphs
-        once set, and compile none."""
+        the process (a segfault in XLA's executable deserialization; the later CI segfaults there were
+        the test process out of memory maps, tests/conftest.py, which may have been this one's cause
+        too). `stop`: lower no more graphs once set, and compile none."""
         if not keys:
             return
         t0 = time.perf_counter()
@@ -468,31 +469,20 @@ class ModelRunner:
             self._executables[key] = compiled
             self._pending.discard(key)  # after the executable is in: a reader that sees it gone finds it
             self.compile_seconds["graphs"][f"{key[0]}{'' if key[1] else ' base'}"] = time.perf_counter() - t
-            # Only when compiled here: XLA:CPU re-serializes a compile-cache load without its kernels
-            # (it then fails to run: "Function wrapped_iota not found"). Written off the warm-up's
-            # path (serving does not wait for the disk), except on XLA:CPU: CI runs segfaulted twice
-            # while one thread serialized an executable and another compiled or loaded one.
+            # Written off the warm-up's path (serving does not wait for the disk), and only when
+            # compiled here: XLA:CPU re-serializes a compile-cache load without its kernels (it then
+            # fails to run: "Function wrapped_iota not found").
             if store is not None and compiled_here:
-                write = (store.put, graph_name(key), compiled, self._out_layouts[key[0]])
-                if jax.default_backend() == "cpu":
-                    write[0](*write[1:])
-                else:
-                    _STORE_WRITES.submit(*write)
+                _STORE_WRITES.submit(store.put, graph_name(key), compiled, self._out_layouts[key[0]])
 
         if keys:
             bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
-            # One graph at a time on XLA:CPU, in the calling thread: CI runs segfaulted there in a
-            # compile-cache write and then a load on a pool's thread (tests/test_prefix_cache.py), and
-            # XLA:CPU compiles with threads of its own (the tiny model's graphs: 12.75 s one at a time,
-            # 12.35 s two at once on 2 cores).
-            if jax.default_backend() == "cpu":
-                for key in keys:
-                    build(key)
+            # One graph at a time on XLA:CPU: it compiles with threads of its own (the tiny model's
+            # graphs: 12.75 s one at a time, 12.35 s two at once on 2 cores).
+            workers = 1 if jax.default_backend() == "cpu" else min(len(keys), os.cpu_count() or 1)
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for _ in pool.map(build, keys):
                     bar.update(1)
-            else:
-                with ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1)) as pool:
-                    for _ in pool.map(build, keys):
-                        bar.update(1)
             bar.close()
         # Where warm-up goes (start-up's largest part on a TPU): stored executables loaded, Python
         # tracing and lowering, one graph at a time, then the compiles (or persistent-cache loads)
