@@ -15,6 +15,7 @@ step plan carries them and `write_slots` applies them right before the step that
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import os
@@ -136,15 +137,19 @@ def unpack_batch(ints: jax.Array, floats: jax.Array, layout: BatchLayout) -> dic
 
 
 def pack_outputs(out: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
-    """Inside the step: every output as one float32 vector (int32 ones bit-cast), so the host reads
-    them in one transfer, and the layout `unpack_outputs` needs."""
+    """Inside the step: every output as one int32 vector (float32 ones bit-cast), so the host reads
+    them in one transfer, and the layout `unpack_outputs` needs.
+
+    Ints must not ride as float32 bits: a token id below 2^23 is a subnormal float32, and XLA:TPU
+    flushes subnormals to zero in the fusion that assembles the vector (a v5e returned id 0 for
+    every decode-only step of a small row bucket). Float bits in an int32 vector are only moved."""
     leaves, treedef = jax.tree_util.tree_flatten(out)
     parts, entries, offset = [], [], 0
     for x in leaves:
         if x.dtype == jnp.int32:
-            parts.append(jax.lax.bitcast_convert_type(x, jnp.float32).reshape(-1))
+            parts.append(x.reshape(-1))
         else:
-            parts.append(x.astype(jnp.float32).reshape(-1))
+            parts.append(jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32).reshape(-1))
         entries.append((offset, x.shape, "int32" if x.dtype == jnp.int32 else "float32"))
         offset += x.size
     return jnp.concatenate(parts), (treedef, tuple(entries))
@@ -153,7 +158,9 @@ def pack_outputs(out: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
 def unpack_outputs(packed: np.ndarray, layout: Any) -> dict[str, np.ndarray]:
     treedef, entries = layout
     packed = np.asarray(packed)
-    leaves = [(packed[o: o + int(np.prod(shape))].view(np.int32) if dt == "int32" else
+    if packed.dtype != np.int32:
+        raise ValueError(f"packed step outputs must be int32, got {packed.dtype}")
+    leaves = [(packed[o: o + int(np.prod(shape))].view(np.float32) if dt == "float32" else
                packed[o: o + int(np.prod(shape))]).reshape(shape) for o, shape, dt in entries]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -230,6 +237,13 @@ class ModelRunner:
         self.compile_seconds: dict[str, Any] = {"load_stored": 0.0, "trace_and_lower": 0.0, "compile": 0.0,
                                                 "graphs": {}}
         self._out_layouts: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> how its packed outputs unpack
+        # Steps launched per graph ((R, P, Q), with LoRA): which compiled graphs a workload ran
+        # (the chip check holds every one of them against the CPU).
+        self.graph_runs: collections.Counter[tuple[tuple[int, int, int], bool]] = collections.Counter()
+        # float32 means float32: XLA:TPU (and TF32 GPUs) multiply float32 operands in bf16 passes at
+        # the default precision, which left a v5e's float32 greedy tokens off the CPU's within 20
+        # tokens; narrower dtypes keep the default (Mosaic refuses bf16 operands under "highest").
+        self.matmul_precision = "highest" if jnp.dtype(model.dtype) == jnp.float32 else None
         # A background warm-up's graphs not compiled yet (`warmup(background=True)`), the thread that
         # compiles them, and what it raised.
         self._pending: set[tuple[tuple[int, int, int], bool]] = set()
@@ -382,6 +396,7 @@ class ModelRunner:
         dev.append(no_tokens if prev is None else prev.tokens)
         if key not in self._executables:  # lazy mode, or a shape warm-up did not cover
             self._compile([key])
+        self.graph_runs[key] += 1
         packed, tokens, self.cache = self._executables[key](self._weights, self.lora.state if key[1] else None,
                                                             self.cache, *dev)
         return StepHandle(shape, packed, tokens)
@@ -458,7 +473,8 @@ class ModelRunner:
             args, static = self.step_inputs(key)
             # Abstract arguments: a background warm-up lowers while steps donate the cache it would
             # otherwise hold (and the shapes and shardings are all a lowering reads).
-            lowered[key] = self._step.lower(*jax.tree.map(_abstract, args), **static)
+            with jax.default_matmul_precision(self.matmul_precision):
+                lowered[key] = self._step.lower(*jax.tree.map(_abstract, args), **static)
         t1 = time.perf_counter()
 
         def build(key: tuple[tuple[int, int, int], bool]) -> None:

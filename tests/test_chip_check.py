@@ -1,0 +1,149 @@
+"""The TPU decode-step bug, reproduced on the CPU, and the chip check that gates every chip figure.
+
+On a TPU v5e (JAX 0.10.2) a step's sampled ids came back as 0 on every decode-only step of a
+small row bucket: the step packed its int32 outputs into a float32 vector as bit patterns, an id
+below 2^23 is a subnormal float32, and XLA:TPU flushed those to zero (a plain concatenate of such
+bits returned zeros on the chip). Here the flush is applied where the chip applied it, to the
+float32 data that leaves the step, so the bug shows on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlora import LLM, SamplingParams
+from jlora.bench import chip_check
+from jlora.engine import runner as runner_module
+
+TINY_ENGINE = dict(max_model_len=96, max_num_seqs=1, max_num_batched_tokens=32, token_buckets=(32,), max_loras=2,
+                   max_lora_rank=8)
+
+
+def flush_subnormals(tree):
+    """Device arrays to NumPy with float32 subnormals flushed to zero, as XLA:TPU does to float32
+    data; int32 data is untouched."""
+    def flush(x):
+        x = np.asarray(x)
+        if x.dtype == np.float32:
+            x = np.where(np.abs(x) < np.finfo(np.float32).tiny, np.float32(0), x).astype(np.float32)
+        return x
+    return jax.tree.map(flush, jax.device_get(tree))
+
+
+def float_bits_pack_outputs(out):
+    """The step's output packing before the fix: int32 ids bit-cast into a float32 vector."""
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    parts, entries, offset = [], [], 0
+    for x in leaves:
+        parts.append((jax.lax.bitcast_convert_type(x, jnp.float32) if x.dtype == jnp.int32 else
+                      x.astype(jnp.float32)).reshape(-1))
+        entries.append((offset, x.shape, "int32" if x.dtype == jnp.int32 else "float32"))
+        offset += x.size
+    return jnp.concatenate(parts), (treedef, tuple(entries))
+
+
+def float_bits_unpack_outputs(packed, layout):
+    treedef, entries = layout
+    packed = np.asarray(packed)
+    leaves = [(packed[o: o + int(np.prod(s))].view(np.int32) if dt == "int32" else
+               packed[o: o + int(np.prod(s))]).reshape(s) for o, s, dt in entries]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def test_packed_outputs_keep_ids_and_float_bits():
+    tiny = np.finfo(np.float32).tiny
+    out = {"tokens": jnp.array([0, 1, 5, 31788, 49151, 2**23 - 1], jnp.int32),
+           "logprob": jnp.array([-0.0, tiny / 4, np.nan, np.inf, -3.25, 1e-30], jnp.float32)}
+    packed, layout = jax.jit(lambda o: runner_module.pack_outputs(o)[0])(out), runner_module.pack_outputs(out)[1]
+    assert packed.dtype == jnp.int32  # nothing in it is float data a backend may flush
+    got = runner_module.unpack_outputs(flush_subnormals(packed), layout)
+    np.testing.assert_array_equal(got["tokens"], np.asarray(out["tokens"]))
+    assert got["logprob"].view(np.int32).tolist() == np.asarray(out["logprob"]).view(np.int32).tolist()
+    with pytest.raises(ValueError, match="int32"):
+        runner_module.unpack_outputs(np.zeros(12, np.float32), layout)
+
+
+def test_decode_tokens_survive_a_subnormal_flush(tiny_dir, monkeypatch):
+    """One row, greedy, as on the chip: the first token comes from a prefill step, the rest from
+    decode-only steps. With the host's copy of the outputs flushed as XLA:TPU flushes float32
+    data, the tokens must not change (before the fix: the first token, then id 0 on every step)."""
+    llm = LLM(str(tiny_dir[0]), progress=False, **TINY_ENGINE)
+    prompts = [{"prompt_token_ids": [5, 17, 300, 4000, 12]}, {"prompt_token_ids": [9, 8, 7]}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert all(len(set(t)) > 1 for t in want), want  # the tiny model's greedy text is not one id
+    monkeypatch.setattr(runner_module, "fetch", flush_subnormals)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_the_bug_reproduced_with_the_old_packing(tiny_dir, monkeypatch):
+    """The same flush over the old float32 packing gives what the chip gave: id 0 (here from every
+    step; the chip's prefill steps came through, its fusions there kept the bits)."""
+    monkeypatch.setattr(runner_module, "pack_outputs", float_bits_pack_outputs)
+    monkeypatch.setattr(runner_module, "unpack_outputs", float_bits_unpack_outputs)
+    monkeypatch.setattr(runner_module, "fetch", flush_subnormals)
+    llm = LLM(str(tiny_dir[0]), progress=False, **TINY_ENGINE)
+    out = llm.generate([{"prompt_token_ids": [5, 17, 300, 4000, 12]}],
+                       SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    tokens = out[0].outputs[0].token_ids
+    assert tokens == [0] * 12
+
+
+def test_coverage_phases_plan_every_graph_kind():
+    from jlora.engine_args import engine_config
+
+    config = engine_config(backend="tpu", **chip_check.SMOLLM2_SIZES)
+    phases = chip_check.coverage_phases(config, vocab=49152, n_adapters=5)
+    names = [p.name for p in phases]
+    for r in config.decode_row_buckets:
+        assert f"decode {r} rows, base" in names and f"decode {r} rows, adapters" in names
+    for p, q in config.prefill_shapes():
+        assert f"prefill {p}x{q}" in names
+    for ph in phases:
+        assert len(ph.prompts) == len(ph.adapters) == len(ph.max_tokens)
+        assert all(len(p) + m <= config.max_model_len for p, m in zip(ph.prompts, ph.max_tokens))
+    assert chip_check.Phase.from_json(json.loads(json.dumps(phases[0].to_json()))) == phases[0]
+
+
+def test_check_adapters_are_peft_adapters_and_reproducible(tmp_path):
+    from jlora.models.loading import read_model_config, resolve_model_path
+    from jlora.models import default_model_path
+
+    cfg = read_model_config(resolve_model_path(str(default_model_path())))
+    a = chip_check.write_check_adapters(cfg, tmp_path / "a")
+    b = chip_check.write_check_adapters(cfg, tmp_path / "b")
+    assert [p.name for p in a] == ["qv-r8", "all-r16-rslora", "mlp-patterns", "regex-attn", "even-layers-r16"]
+    for x, y in zip(a, b):
+        assert (x / "adapter_model.safetensors").read_bytes() == (y / "adapter_model.safetensors").read_bytes()
+    from safetensors.numpy import load_file
+
+    regex = load_file(str(a[3] / "adapter_model.safetensors"))
+    assert {k.split(".")[-3] for k in regex} == {"k_proj", "o_proj"}
+    even = load_file(str(a[4] / "adapter_model.safetensors"))
+    assert {int(k.split(".")[4]) for k in even} == set(range(0, cfg.num_hidden_layers, 2))
+
+
+def test_chip_check_passes_the_cpu_against_itself(tmp_path):
+    res = chip_check.run_check(["tiny"], tmp_path / "out", tmp_path, only=["tiny float32"])
+    case = res["cases"]["tiny float32"]
+    assert res["passed"], case
+    assert case["rows_equal"] == case["rows"] > 20 and case["graphs_not_run"] == []
+    assert case["teacher_forced_logprob_max_diff"] < 1e-4 and case["positions"] > 300
+
+
+def test_chip_check_fails_the_broken_step(tmp_path, monkeypatch):
+    """The chip's bug on the CPU (the old packing and the flush) fails the check: the reference
+    runs in its own process, unpatched."""
+    monkeypatch.setattr(runner_module, "pack_outputs", float_bits_pack_outputs)
+    monkeypatch.setattr(runner_module, "unpack_outputs", float_bits_unpack_outputs)
+    monkeypatch.setattr(runner_module, "fetch", flush_subnormals)
+    res = chip_check.run_check(["tiny"], tmp_path / "out", tmp_path, only=["tiny float32"])
+    case = res["cases"]["tiny float32"]
+    assert not res["passed"] and not case["passed"]
+    assert case["rows_diverged"] == case["rows"] and case["rows_equal"] == 0, case
