@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -187,6 +188,37 @@ def resolve_attn_impl(impl: str, tp_size: int, kv_dtype: Any) -> str:
     return "pallas" if jax.default_backend() == "tpu" and tp_size == 1 and real_floats else "xla"
 
 
+def step_graph(weights, lora_state, cache, ints, floats, history, allowed, prev_tokens, *, layout, lora_impl,
+               attn_chunk, attn_impl, lora_skip=True, graphdef, weights_def, out_layouts, max_num_seqs):
+    """One step (ModelRunner's `_step` jits it, the keyword arguments after `lora_skip` bound): the
+    model over the packed batch, the sampler, and the outputs packed for one transfer. Records how
+    the host unpacks them in `out_layouts` at trace time."""
+    batch = unpack_batch(ints, floats, layout)
+    batch["sampling"]["history"], batch["sampling"]["allowed"] = history, allowed
+    # Async scheduling: a decode row whose token the previous step sampled (still on the device)
+    # takes it from there (prev_rows[row] = its row in that step; -1 = the host's token).
+    r = batch["dec_positions"].shape[0]
+    prev = batch["prev_rows"]
+    fed = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch["tokens"][:r])
+    batch["tokens"] = batch["tokens"].at[:r].set(fed)
+    model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
+    groups = [AttnGroup(batch["dec_positions"][:, None], batch["dec_tables"])]
+    if batch["pre_positions"].shape[0]:
+        groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"], runs=True))
+    hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
+                                  lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl,
+                                  lora_skip=lora_skip)
+    logits = model.logits(hidden[batch["sample_index"]])
+    out = sample(logits, batch["sampling"])
+    if batch["pre_positions"].shape[0]:
+        out.update(_prompt_logprobs(model, hidden[batch["dec_positions"].shape[0]:], batch["prompt_targets"]))
+    packed, out_layout = pack_outputs(out)
+    shape = batch["dec_positions"].shape + batch["pre_positions"].shape
+    out_layouts[shape] = out_layout  # at trace time: how the host unpacks this graph's outputs
+    tokens = jnp.zeros((max_num_seqs,), jnp.int32).at[: out["tokens"].shape[0]].set(out["tokens"])
+    return packed, tokens, cache
+
+
 class ModelRunner:
     """`devices`: the engine's devices, a tensor-parallel mesh over them when there are several
     (jlora.models.tensor_parallel; default: the first device). Each device then holds its shard
@@ -220,16 +252,19 @@ class ModelRunner:
                                             {k: x.sharding for k, x in self.cache.items()}))
         pallas_chunk = default_chunk(self.cache_lanes, jnp.dtype(self.kv_dtype).itemsize)
         self.attn_chunk = config.attn_chunk or (pallas_chunk if self.attn_impl == "pallas" else 128)
-        self._step = jax.jit(self._step_impl, static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl",
-                                                               "lora_skip"),
-                             donate_argnames=("cache",),
-                             **(shardings or {}))
+        self._out_layouts: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> how its packed outputs unpack
+        # A module-level function with what it reads of the runner bound in, not a bound method: the
+        # jitted function holds no reference back to the runner, so a dropped engine frees its device
+        # arrays and executables at once instead of at the cyclic collector's next full pass.
+        self._step = jax.jit(functools.partial(step_graph, graphdef=self.graphdef, weights_def=self._weights_def,
+                                               out_layouts=self._out_layouts, max_num_seqs=config.max_num_seqs),
+                             static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl", "lora_skip"),
+                             donate_argnames=("cache",), **(shardings or {}))
         # ((R, P, Q), with LoRA) -> compiled step (EngineConfig.step_graphs)
         self._executables: dict[tuple[tuple[int, int, int], bool], Any] = {}
         self._base_shapes = frozenset(config.base_graph_shapes())  # shapes with a graph without LoRA too
         self.compile_seconds: dict[str, Any] = {"load_stored": 0.0, "trace_and_lower": 0.0, "compile": 0.0,
                                                 "graphs": {}}
-        self._out_layouts: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> how its packed outputs unpack
         # A background warm-up's graphs not compiled yet (`warmup(background=True)`), the thread that
         # compiles them, and what it raised.
         self._pending: set[tuple[tuple[int, int, int], bool]] = set()
@@ -260,33 +295,6 @@ class ModelRunner:
         return init_cache(self.layout_cfg, self.config.num_kv_blocks, self.config.block_size,
                           quant.storage_dtype(self.kv_dtype), lanes=self.cache_lanes,
                           zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
-
-    def _step_impl(self, weights, lora_state, cache, ints, floats, history, allowed, prev_tokens, *, layout, lora_impl,
-                   attn_chunk, attn_impl, lora_skip=True):
-        batch = unpack_batch(ints, floats, layout)
-        batch["sampling"]["history"], batch["sampling"]["allowed"] = history, allowed
-        # Async scheduling: a decode row whose token the previous step sampled (still on the device)
-        # takes it from there (prev_rows[row] = its row in that step; -1 = the host's token).
-        r = batch["dec_positions"].shape[0]
-        prev = batch["prev_rows"]
-        fed = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch["tokens"][:r])
-        batch["tokens"] = batch["tokens"].at[:r].set(fed)
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
-        groups = [AttnGroup(batch["dec_positions"][:, None], batch["dec_tables"])]
-        if batch["pre_positions"].shape[0]:
-            groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"], runs=True))
-        hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
-                                      lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl,
-                                      lora_skip=lora_skip)
-        logits = model.logits(hidden[batch["sample_index"]])
-        out = sample(logits, batch["sampling"])
-        if batch["pre_positions"].shape[0]:
-            out.update(_prompt_logprobs(model, hidden[batch["dec_positions"].shape[0]:], batch["prompt_targets"]))
-        packed, out_layout = pack_outputs(out)
-        shape = batch["dec_positions"].shape + batch["pre_positions"].shape
-        self._out_layouts[shape] = out_layout  # at trace time: how the host unpacks this graph's outputs
-        tokens = jnp.zeros((self.config.max_num_seqs,), jnp.int32).at[: out["tokens"].shape[0]].set(out["tokens"])
-        return packed, tokens, cache
 
     @property
     def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}; a tuple of them per pool
