@@ -450,7 +450,7 @@ class ModelRunner:
         graphs do not depend on each other. Not overlapped: on XLA:CPU a compile-cache load beside the next graph's tracing crashed
         the process (a segfault in XLA's executable deserialization; the later CI segfaults there were
         the test process out of memory maps, tests/conftest.py, which may have been this one's cause
-        too). `stop`: lower no more graphs once set, and compile none."""
+        too). `stop`: once set, lower no more graphs and start no more compiles."""
         if not keys:
             return
         t0 = time.perf_counter()
@@ -470,6 +470,8 @@ class ModelRunner:
         t1 = time.perf_counter()
 
         def build(key: tuple[tuple[int, int, int], bool]) -> None:
+            if stop is not None and stop.is_set():
+                return
             t, hits = time.perf_counter(), compile_stats.thread_cache_hit_count()
             with compile_stats.stage(stage):
                 compiled = lowered[key].compile()
@@ -547,6 +549,8 @@ class ModelRunner:
             self._compile(sorted(keys, key=lambda k: (k[0][1] > 0, not k[1], k[0])), stage=compile_stats.BACKGROUND,
                           stop=self._stop_background)
         except BaseException as e:  # noqa: BLE001 (kept for wait_warmup; steps keep the compiled graphs)
+            if self._stop_background.is_set():  # stopped (close, interpreter exit): not a failure
+                return
             self.background_error = e
             print(f"jlora: background warm-up failed, steps keep to the graphs compiled so far: "
                   f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -583,12 +587,18 @@ def wait_for_stored_executables() -> None:
     _STORE_WRITES.submit(lambda: None).result()
 
 
-# Runners with a background warm-up: at exit each stops lowering and finishes the compiles it
-# started, so none is left running while JAX shuts its backends down.
+# Runners with a background warm-up: at exit each stops lowering and starting compiles and finishes
+# the compile under way, so none is left running while JAX shuts its backends down. Registered to
+# run before concurrent.futures' own exit hook (threading's exit hooks run before atexit's, the last
+# registered first): after that hook a warm-up could not hand a stored executable to its writer
+# ("cannot schedule new futures after shutdown"), and atexit's hooks ran beside a warm-up still
+# lowering (a KeyError from inside the trace); both were printed as a failed warm-up.
 _BACKGROUND_RUNNERS: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
 
 
-@atexit.register
 def _stop_background_warmups() -> None:
     for runner in list(_BACKGROUND_RUNNERS):
         runner.stop_background_warmup()
+
+
+getattr(threading, "_register_atexit", atexit.register)(_stop_background_warmups)
