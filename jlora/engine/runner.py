@@ -238,6 +238,7 @@ class ModelRunner:
         # A flat list of arrays crosses the jit boundary fastest (NNX state flattens in Python).
         leaves, self._weights_def = jax.tree_util.tree_flatten_with_path(self.state)
         self._weights = [self._place(path, w) for path, w in leaves]
+        self._owned = [p is not w for (_, w), p in zip(leaves, self._weights)]  # False: the model's array itself
         self.state = jax.tree.unflatten(self._weights_def, self._weights)
         self.kv_dtype = model.dtype
         self.attn_impl = resolve_attn_impl(config.attn_impl, self.tp.size, self.kv_dtype)
@@ -567,11 +568,25 @@ class ModelRunner:
         return not self._pending
 
     def stop_background_warmup(self) -> None:
-        """Stop a background warm-up: while lowering it stops at the next graph; once compiling, the
-        compiles finish (what interpreter exit waits for)."""
+        """Stop a background warm-up: it lowers no more graphs and starts no more compiles; the
+        compile under way finishes (what `close` and interpreter exit wait for)."""
         self._stop_background.set()
         if self._background is not None:
             self._background.join()
+        _BACKGROUND_RUNNERS.discard(self)
+
+    def close(self) -> None:
+        """Stop a background warm-up and free the device arrays (KV cache, weights this runner
+        placed, LoRA slots) and compiled graphs. Weights it shares with the model it was given
+        (already on its devices) are left to their owner. Idempotent; the runner is unusable after."""
+        self.stop_background_warmup()
+        owned = [w for w, mine in zip(self._weights, self._owned) if mine]
+        for x in [*owned, *self.cache.values(), *jax.tree.leaves(self._resident)]:
+            x.delete()
+        self.lora.close()
+        self._weights, self.state, self.cache, self._resident = [], None, {}, {}
+        self._executables.clear()
+        self._step = None
 
 
 def _abstract(x: Any) -> Any:
