@@ -80,6 +80,10 @@ class LLM:
     loads it without tracing: None (the default) on one TPU host with the compile cache on, True
     wherever one engine runs on one device, a path puts it there, False (or
     JLORA_EXECUTABLE_CACHE=0) turns it off.
+
+    `close()` (or leaving `with LLM(...) as llm:`) stops a background warm-up and frees the device
+    memory (weights, KV cache, LoRA slots), the compiled graphs and the engine's threads at once;
+    using the LLM afterwards raises RuntimeError. A dropped LLM frees the same without it.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class LLM:
         progress: bool = True,
     ):
         t0 = time.perf_counter()
+        self.closed = False
         backend_started = start_backend()  # the TPU runtime's start overlaps the imports below
         v = max_cpu_lora_bytes
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -237,6 +242,32 @@ class LLM:
             for part in ("load_stored", "trace_and_lower", "compile"):
                 self.startup_seconds[f"warmup_{part}"] = sum(r.compile_seconds[part] for r in self.runners)
 
+    def close(self) -> None:
+        """Stop a background warm-up, free the engine's device arrays and compiled graphs and the
+        model's weights, and stop the engine's threads (`LLMEngine.close`, `DataParallelEngine.close`)
+        and the executable store's. Idempotent; generate, chat and the rest raise RuntimeError after it."""
+        if self.closed:
+            return
+        self.closed = True
+        from flax import nnx
+
+        self.engine.close()
+        if self.executable_store is not None:
+            self.executable_store.close()
+        for x in jax.tree.leaves(nnx.state(self.model)):  # the weights as loaded (the runner uses them on one device)
+            if isinstance(x, jax.Array):
+                x.delete()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
+
     @property
     def runners(self) -> list:
         """The engine's ModelRunners: one per data-parallel replica."""
@@ -245,6 +276,7 @@ class LLM:
     def warmup(self, background: bool = False) -> None:
         """Compile every graph the engine can need: the slot writes and each step shape; with
         `background`, the step graphs but `EngineConfig.first_graphs()` in a thread (see the class)."""
+        self._check_open()
         steps = sum(len([g for g in r.config.step_graphs() if g not in r._executables]) for r in self.runners)
         slots = sum(len(r.lora.pools) for r in self.runners)
         if self.progress:
@@ -270,6 +302,7 @@ class LLM:
     def wait_for_warmup(self, timeout: float | None = None) -> bool:
         """Wait for a background warm-up (`warmup="background"`) to compile its graphs; True when every
         step graph is compiled (at once for the other modes). Raises what a background compile raised."""
+        self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         return all([r.wait_warmup(None if deadline is None else max(0.0, deadline - time.monotonic()))
                     for r in self.runners])
@@ -282,6 +315,7 @@ class LLM:
     # ---- generation -------------------------------------------------------------------------------
 
     def _add_all(self, prompts, params, lora_request) -> list[str]:
+        self._check_open()
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if prompts and isinstance(prompts[0], int):  # a single token id list
             prompts = [prompts]
@@ -388,6 +422,7 @@ class LLM:
         """Forget every cached prompt prefix (vLLM's `LLM.reset_prefix_cache`), e.g. to time or
         compare runs of the same prompts from scratch. Returns False, forgetting nothing, while
         requests are unfinished."""
+        self._check_open()
         return self.engine.reset_prefix_cache()
 
     def update_adapter(self, name: str, params: Any, config: Any, lora_int_id: int, *,
@@ -400,6 +435,7 @@ class LLM:
         of `name` leave the host cache."""
         from jlora.adapters.training import peft_tensors
 
+        self._check_open()
         req = LoRARequest(name, lora_int_id, tensors=peft_tensors(params, self.model.cfg, config, adapter),
                           config=config, disk_cache=False)
         self.engine.adapters.prepare(req)
@@ -417,6 +453,7 @@ class LLM:
         one each copy (under jax.distributed, this process's devices only).
         bf16 kept as its uint16 bits on XLA:CPU (`jlora.models.quant`) is reported as bfloat16.
         """
+        self._check_open()
         def name(x) -> str:
             return "bfloat16" if x.dtype == jnp.uint16 else str(x.dtype)
 

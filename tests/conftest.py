@@ -13,11 +13,14 @@ import gc
 
 import pytest
 
-# Engines dropped by a test stay in reference cycles until the cyclic collector's rare full pass, and
-# each holds its XLA:CPU executables' code mapped: over the whole suite the process reached Linux's
-# 65,530 memory maps (vm.max_map_count) and XLA segfaulted in whichever executable it serialized or
-# loaded next (three CI runs, each ~2/3 of the way through). One collection frees them (25,434 maps
-# after tests/test_prefix_cache.py, 1,515 after).
+# Each engine holds its XLA:CPU executables' code mapped (~2,900 memory maps for the tiny model's).
+# Engines used to stay in reference cycles after a test dropped them, until the cyclic collector's
+# rare full pass: over the whole suite the process reached Linux's 65,530 memory maps
+# (vm.max_map_count) and XLA segfaulted in whichever executable it serialized or loaded next (three
+# CI runs, each ~2/3 of the way through; one collection freed them: 25,434 maps after
+# tests/test_prefix_cache.py, 1,515 after). A dropped engine now frees itself (tests/test_lifecycle.py),
+# but a test can still put one in a cycle of its own (a spy closure set on its runner, as in
+# test_engine.py's base-graph test), so the safety net stays.
 MAPS_BEFORE_COLLECTING = 16384
 
 

@@ -147,3 +147,16 @@ def test_chip_check_fails_the_broken_step(tmp_path, monkeypatch):
     case = res["cases"]["tiny float32"]
     assert not res["passed"] and not case["passed"]
     assert case["rows_diverged"] == case["rows"] and case["rows_equal"] == 0, case
+
+
+@pytest.mark.slow  # the real default model
+def test_the_peft_reference_file_is_the_cpu_engines_output(real_llm, tmp_path):
+    """The chip check's transformers + peft tokens (written by `chip_check peft-reference`) are what
+    the CPU engine gives for the same batch, so the file still describes this code."""
+    ref = json.loads(chip_check.REFERENCE_FILE.read_text())
+    adapters = chip_check.write_check_adapters(real_llm.model.cfg, tmp_path)
+    assert ref["rows"] == [None if a is None else adapters[a].name for a in chip_check.PEFT_ROWS]
+    tokens = chip_check.run_peft_batch(real_llm, chip_check._loras([str(p) for p in adapters]))
+    verdict = chip_check.compare_peft(ref, tokens)
+    assert verdict["passed"], verdict
+    assert len({tuple(t) for t in tokens}) == len(tokens)  # every row its own text

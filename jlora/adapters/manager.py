@@ -272,6 +272,12 @@ class LoRASlots:
         for p in range(len(self.pools)):
             self._compiled(p)
 
+    def close(self) -> None:
+        """Free the slot arrays and the compiled writes (the runner's `close`)."""
+        for x in jax.tree.leaves(self._states):
+            x.delete()
+        self._states, self._writes = [], [None] * len(self.pools)
+
     def _pool_of(self, slot: Any) -> tuple[int, Any]:
         if len(self.pools) == 1:
             return 0, slot
@@ -425,6 +431,7 @@ class AdapterManager:
         self._lock = threading.RLock()
         self._converting: dict[_Version, concurrent.futures.Future] = {}  # conversions in flight (prepare)
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # prepare_async's thread, made on first use
+        self._closed = False
         # disk_loads (host-cache misses: read from the disk cache or converted), conversions, host_hits,
         # host_evictions, disk_cache_hits / _misses / _rebuilds, slot_hits, slot_writes (queued), evictions
         self.stats = collections.Counter()
@@ -463,6 +470,18 @@ class AdapterManager:
         `max_cpu_lora_bytes` bounds)."""
         with self._lock:
             return self._host_bytes
+
+    def close(self) -> None:
+        """Stop `prepare_async`'s worker (conversions not started are cancelled, one under way is not
+        waited for) and drop the host cache. Idempotent; `prepare_async` raises after it."""
+        with self._lock:
+            self._closed = True
+            worker, self._worker = self._worker, None
+            self._host.clear()
+            self._host_bytes = 0
+            self._writes.clear()
+        if worker is not None:
+            worker.shutdown(wait=False, cancel_futures=True)
 
     # ---- public API -----------------------------------------------------------------------------------
 
@@ -525,6 +544,8 @@ class AdapterManager:
         self._check_request(req)
         version = self._version(req)
         with self._lock:
+            if self._closed:
+                raise RuntimeError("this adapter manager is closed (its engine was closed)")
             done = self._cached(version, touch=False) is not None
             if not done and self._worker is None:
                 self._worker = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jlora-adapters")

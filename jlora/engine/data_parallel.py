@@ -98,6 +98,26 @@ class DataParallelEngine:
         # block hash -> replica its prompt went to: a burst of requests sharing a prefix follows the
         # first one before any of them is admitted (and its blocks claimed) there.
         self._routed: OrderedDict[bytes, int] = OrderedDict()
+        self.closed = False
+
+    def close(self) -> None:
+        """Close every replica (`LLMEngine.close`) and stop the stepping threads. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for r in self.replicas:
+            r.close()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> DataParallelEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed")
 
     @property
     def runner(self):  # the first replica's (its config and shapes are every replica's)
@@ -162,6 +182,7 @@ class DataParallelEngine:
     def add_request(self, prompt: Any, params: Any = None, lora_request: LoRARequest | None = None,
                     request_id: str | None = None, lora_handle: AdapterHandle | None = None) -> str:
         """`LLMEngine.add_request` on the replica `_route` picks; request ids are unique across replicas."""
+        self._check_open()
         if lora_request is not None and lora_handle is None:
             lora_handle = self.adapters.prepare(lora_request)  # once, for every replica
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -178,6 +199,7 @@ class DataParallelEngine:
         return request_id
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        self._check_open()
         busy = [r for r in self.replicas if r.has_unfinished()]
         if len(busy) == 1:
             return busy[0].step(finished_only)

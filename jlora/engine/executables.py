@@ -221,6 +221,15 @@ class ExecutableStore:
             for n in todo:
                 self._futures[n] = self._pool.submit(self._read, n)
 
+    def close(self) -> None:
+        """Stop the prefetch threads (reads not started are cancelled). Idempotent; a later
+        `prefetch` starts them again."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._futures.clear()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
     def get(self, name: str) -> tuple[Any, Any] | None:
         """(compiled executable, output layout) of `name`, or None (not there, or unreadable)."""
         with self._lock:

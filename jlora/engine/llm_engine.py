@@ -90,6 +90,33 @@ class LLMEngine:
         self._inflight: tuple[Any, Any, bool] | None = None  # (plan, launched step, committed) ahead
         # Under jax.distributed every process must draw the same seeds (they feed one global step).
         self._seed_rng = random.Random(0 if jax.process_count() > 1 else None)
+        self.closed = False
+
+    def close(self) -> None:
+        """Stop a background warm-up, wait for a step launched ahead, free the device arrays (KV
+        cache, weights, LoRA slots) and compiled graphs, and stop the adapter worker. Idempotent;
+        `add_request` and `step` raise RuntimeError after it."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._inflight is not None:
+            try:
+                self.runner.collect(self._inflight[1])
+            except Exception:  # noqa: BLE001 (its outputs are not used)
+                pass
+            self._inflight = None
+        self.runner.close()
+        self.adapters.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed")
 
     # Read-only views for tests and benchmarks (callers use `stats()`).
     @property
@@ -129,6 +156,7 @@ class LLMEngine:
 
         `lora_handle`: `lora_request`'s adapter as already converted (`adapters.prepare` or
         `prepare_async`), so nothing is converted here, on the stepping thread."""
+        self._check_open()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -256,6 +284,7 @@ class LLMEngine:
         reads and processes step n, and each decode row's token goes from one step to the next
         on the device. Outputs are the same tokens; a sequence that stops (EOS, a stop string)
         leaves at most one wasted row in the step already launched."""
+        self._check_open()
         touched: dict[str, Request] = {}
         outputs = lambda: [r.to_output() for r in touched.values() if r.finished or not finished_only]  # noqa: E731
         if self._inflight is not None:

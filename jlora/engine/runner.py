@@ -18,6 +18,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -194,6 +195,37 @@ def resolve_attn_impl(impl: str, tp_size: int, kv_dtype: Any) -> str:
     return "pallas" if jax.default_backend() == "tpu" and tp_size == 1 and real_floats else "xla"
 
 
+def step_graph(weights, lora_state, cache, ints, floats, history, allowed, prev_tokens, *, layout, lora_impl,
+               attn_chunk, attn_impl, lora_skip=True, graphdef, weights_def, out_layouts, max_num_seqs):
+    """One step (ModelRunner's `_step` jits it, the keyword arguments after `lora_skip` bound): the
+    model over the packed batch, the sampler, and the outputs packed for one transfer. Records how
+    the host unpacks them in `out_layouts` at trace time."""
+    batch = unpack_batch(ints, floats, layout)
+    batch["sampling"]["history"], batch["sampling"]["allowed"] = history, allowed
+    # Async scheduling: a decode row whose token the previous step sampled (still on the device)
+    # takes it from there (prev_rows[row] = its row in that step; -1 = the host's token).
+    r = batch["dec_positions"].shape[0]
+    prev = batch["prev_rows"]
+    fed = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch["tokens"][:r])
+    batch["tokens"] = batch["tokens"].at[:r].set(fed)
+    model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
+    groups = [AttnGroup(batch["dec_positions"][:, None], batch["dec_tables"])]
+    if batch["pre_positions"].shape[0]:
+        groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"], runs=True))
+    hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
+                                  lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl,
+                                  lora_skip=lora_skip)
+    logits = model.logits(hidden[batch["sample_index"]])
+    out = sample(logits, batch["sampling"])
+    if batch["pre_positions"].shape[0]:
+        out.update(_prompt_logprobs(model, hidden[batch["dec_positions"].shape[0]:], batch["prompt_targets"]))
+    packed, out_layout = pack_outputs(out)
+    shape = batch["dec_positions"].shape + batch["pre_positions"].shape
+    out_layouts[shape] = out_layout  # at trace time: how the host unpacks this graph's outputs
+    tokens = jnp.zeros((max_num_seqs,), jnp.int32).at[: out["tokens"].shape[0]].set(out["tokens"])
+    return packed, tokens, cache
+
+
 class ModelRunner:
     """`devices`: the engine's devices, a tensor-parallel mesh over them when there are several
     (jlora.models.tensor_parallel; default: the first device). Each device then holds its shard
@@ -213,6 +245,7 @@ class ModelRunner:
         # A flat list of arrays crosses the jit boundary fastest (NNX state flattens in Python).
         leaves, self._weights_def = jax.tree_util.tree_flatten_with_path(self.state)
         self._weights = [self._place(path, w) for path, w in leaves]
+        self._owned = [p is not w for (_, w), p in zip(leaves, self._weights)]  # False: the model's array itself
         self.state = jax.tree.unflatten(self._weights_def, self._weights)
         self.kv_dtype = model.dtype
         self.attn_impl = resolve_attn_impl(config.attn_impl, self.tp.size, self.kv_dtype)
@@ -227,16 +260,19 @@ class ModelRunner:
                                             {k: x.sharding for k, x in self.cache.items()}))
         pallas_chunk = default_chunk(self.cache_lanes, jnp.dtype(self.kv_dtype).itemsize)
         self.attn_chunk = config.attn_chunk or (pallas_chunk if self.attn_impl == "pallas" else 128)
-        self._step = jax.jit(self._step_impl, static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl",
-                                                               "lora_skip"),
-                             donate_argnames=("cache",),
-                             **(shardings or {}))
+        self._out_layouts: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> how its packed outputs unpack
+        # A module-level function with what it reads of the runner bound in, not a bound method: the
+        # jitted function holds no reference back to the runner, so a dropped engine frees its device
+        # arrays and executables at once instead of at the cyclic collector's next full pass.
+        self._step = jax.jit(functools.partial(step_graph, graphdef=self.graphdef, weights_def=self._weights_def,
+                                               out_layouts=self._out_layouts, max_num_seqs=config.max_num_seqs),
+                             static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl", "lora_skip"),
+                             donate_argnames=("cache",), **(shardings or {}))
         # ((R, P, Q), with LoRA) -> compiled step (EngineConfig.step_graphs)
         self._executables: dict[tuple[tuple[int, int, int], bool], Any] = {}
         self._base_shapes = frozenset(config.base_graph_shapes())  # shapes with a graph without LoRA too
         self.compile_seconds: dict[str, Any] = {"load_stored": 0.0, "trace_and_lower": 0.0, "compile": 0.0,
                                                 "graphs": {}}
-        self._out_layouts: dict[tuple[int, int, int], Any] = {}  # (R, P, Q) -> how its packed outputs unpack
         # Steps launched per graph ((R, P, Q), with LoRA): which compiled graphs a workload ran
         # (the chip check holds every one of them against the CPU).
         self.graph_runs: collections.Counter[tuple[tuple[int, int, int], bool]] = collections.Counter()
@@ -274,33 +310,6 @@ class ModelRunner:
         return init_cache(self.layout_cfg, self.config.num_kv_blocks, self.config.block_size,
                           quant.storage_dtype(self.kv_dtype), lanes=self.cache_lanes,
                           zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
-
-    def _step_impl(self, weights, lora_state, cache, ints, floats, history, allowed, prev_tokens, *, layout, lora_impl,
-                   attn_chunk, attn_impl, lora_skip=True):
-        batch = unpack_batch(ints, floats, layout)
-        batch["sampling"]["history"], batch["sampling"]["allowed"] = history, allowed
-        # Async scheduling: a decode row whose token the previous step sampled (still on the device)
-        # takes it from there (prev_rows[row] = its row in that step; -1 = the host's token).
-        r = batch["dec_positions"].shape[0]
-        prev = batch["prev_rows"]
-        fed = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch["tokens"][:r])
-        batch["tokens"] = batch["tokens"].at[:r].set(fed)
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
-        groups = [AttnGroup(batch["dec_positions"][:, None], batch["dec_tables"])]
-        if batch["pre_positions"].shape[0]:
-            groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"], runs=True))
-        hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
-                                      lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl,
-                                      lora_skip=lora_skip)
-        logits = model.logits(hidden[batch["sample_index"]])
-        out = sample(logits, batch["sampling"])
-        if batch["pre_positions"].shape[0]:
-            out.update(_prompt_logprobs(model, hidden[batch["dec_positions"].shape[0]:], batch["prompt_targets"]))
-        packed, out_layout = pack_outputs(out)
-        shape = batch["dec_positions"].shape + batch["pre_positions"].shape
-        self._out_layouts[shape] = out_layout  # at trace time: how the host unpacks this graph's outputs
-        tokens = jnp.zeros((self.config.max_num_seqs,), jnp.int32).at[: out["tokens"].shape[0]].set(out["tokens"])
-        return packed, tokens, cache
 
     @property
     def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}; a tuple of them per pool
@@ -457,7 +466,7 @@ class ModelRunner:
         graphs do not depend on each other. Not overlapped: on XLA:CPU a compile-cache load beside the next graph's tracing crashed
         the process (a segfault in XLA's executable deserialization; the later CI segfaults there were
         the test process out of memory maps, tests/conftest.py, which may have been this one's cause
-        too). `stop`: lower no more graphs once set, and compile none."""
+        too). `stop`: once set, lower no more graphs and start no more compiles."""
         if not keys:
             return
         t0 = time.perf_counter()
@@ -478,6 +487,8 @@ class ModelRunner:
         t1 = time.perf_counter()
 
         def build(key: tuple[tuple[int, int, int], bool]) -> None:
+            if stop is not None and stop.is_set():
+                return
             t, hits = time.perf_counter(), compile_stats.thread_cache_hit_count()
             with compile_stats.stage(stage):
                 compiled = lowered[key].compile()
@@ -555,6 +566,8 @@ class ModelRunner:
             self._compile(sorted(keys, key=lambda k: (k[0][1] > 0, not k[1], k[0])), stage=compile_stats.BACKGROUND,
                           stop=self._stop_background)
         except BaseException as e:  # noqa: BLE001 (kept for wait_warmup; steps keep the compiled graphs)
+            if self._stop_background.is_set():  # stopped (close, interpreter exit): not a failure
+                return
             self.background_error = e
             print(f"jlora: background warm-up failed, steps keep to the graphs compiled so far: "
                   f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -571,11 +584,25 @@ class ModelRunner:
         return not self._pending
 
     def stop_background_warmup(self) -> None:
-        """Stop a background warm-up: while lowering it stops at the next graph; once compiling, the
-        compiles finish (what interpreter exit waits for)."""
+        """Stop a background warm-up: it lowers no more graphs and starts no more compiles; the
+        compile under way finishes (what `close` and interpreter exit wait for)."""
         self._stop_background.set()
         if self._background is not None:
             self._background.join()
+        _BACKGROUND_RUNNERS.discard(self)
+
+    def close(self) -> None:
+        """Stop a background warm-up and free the device arrays (KV cache, weights this runner
+        placed, LoRA slots) and compiled graphs. Weights it shares with the model it was given
+        (already on its devices) are left to their owner. Idempotent; the runner is unusable after."""
+        self.stop_background_warmup()
+        owned = [w for w, mine in zip(self._weights, self._owned) if mine]
+        for x in [*owned, *self.cache.values(), *jax.tree.leaves(self._resident)]:
+            x.delete()
+        self.lora.close()
+        self._weights, self.state, self.cache, self._resident = [], None, {}, {}
+        self._executables.clear()
+        self._step = None
 
 
 def _abstract(x: Any) -> Any:
@@ -591,12 +618,18 @@ def wait_for_stored_executables() -> None:
     _STORE_WRITES.submit(lambda: None).result()
 
 
-# Runners with a background warm-up: at exit each stops lowering and finishes the compiles it
-# started, so none is left running while JAX shuts its backends down.
+# Runners with a background warm-up: at exit each stops lowering and starting compiles and finishes
+# the compile under way, so none is left running while JAX shuts its backends down. Registered to
+# run before concurrent.futures' own exit hook (threading's exit hooks run before atexit's, the last
+# registered first): after that hook a warm-up could not hand a stored executable to its writer
+# ("cannot schedule new futures after shutdown"), and atexit's hooks ran beside a warm-up still
+# lowering (a KeyError from inside the trace); both were printed as a failed warm-up.
 _BACKGROUND_RUNNERS: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
 
 
-@atexit.register
 def _stop_background_warmups() -> None:
     for runner in list(_BACKGROUND_RUNNERS):
         runner.stop_background_warmup()
+
+
+getattr(threading, "_register_atexit", atexit.register)(_stop_background_warmups)

@@ -1,0 +1,178 @@
+"""Engines clean up after themselves: a dropped LLM frees its memory without the cyclic garbage
+collector, `close()` / `with` free it at once, a closed LLM says so, and neither closing nor
+interpreter exit during a background warm-up waits long or reports a failure."""
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+
+import jax
+import pytest
+
+from conftest import memory_maps
+from jlora import LLM, SamplingParams
+
+ENGINE = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, max_loras=2, max_lora_rank=8,
+              token_buckets=(16, 32))
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture
+def no_compile_cache():
+    """The persistent compile cache off: a background warm-up's cache loads beside other XLA work
+    once crashed XLA:CPU (tests/test_startup.py)."""
+    prev = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", prev)
+
+
+def test_a_dropped_llm_frees_its_memory_maps_without_the_cyclic_collector(tiny_dir):
+    """No reference cycle holds an engine: with the collector off, `del llm` frees its runner, its
+    weights and KV cache, and its compiled graphs' code (most of its memory maps) at once."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = memory_maps()
+        llm = LLM(str(tiny_dir[0]), progress=False, **ENGINE)
+        llm.generate(["Hello there"], GREEDY, use_tqdm=False)
+        added = memory_maps() - before
+        runner = llm.engine.runner
+        held = [weakref.ref(x) for x in (runner, llm.model, *runner._weights, *runner.cache.values())]
+        del llm, runner
+        kept = memory_maps() - before
+        alive = [r() for r in held if r() is not None]
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert not alive, f"{len(alive)} of the engine's objects and arrays outlived it: {[type(x) for x in alive][:5]}"
+    assert added > 0 and kept <= 0.25 * added, f"{kept} of the {added} memory maps the engine added were kept"
+
+
+def test_with_closes_the_llm_and_frees_its_device_arrays(tiny_dir):
+    with LLM(str(tiny_dir[0]), progress=False, **ENGINE) as llm:
+        assert len(llm.generate(["Hello there"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        runner = llm.engine.runner
+        arrays = [*runner.cache.values(), *runner._weights, *jax.tree.leaves(runner.lora_state)]
+    assert llm.closed and llm.engine.closed
+    assert arrays and all(x.is_deleted() for x in arrays)
+    assert not runner._executables and runner.cache == {}
+
+
+def test_a_closed_llm_raises_when_used_and_closes_once(tiny_dir):
+    llm = LLM(str(tiny_dir[0]), progress=False, **ENGINE)
+    llm.close()
+    llm.close()  # idempotent
+    for use in (lambda: llm.generate(["Hello there"], GREEDY, use_tqdm=False),
+                lambda: list(llm.generate_stream("Hello there", GREEDY)),
+                lambda: llm.chat({"role": "user", "content": "hi"}, GREEDY, use_tqdm=False),
+                lambda: llm.engine.add_request("Hello there", GREEDY),
+                lambda: llm.engine.step(),
+                lambda: llm.memory_report()):
+        with pytest.raises(RuntimeError, match="is closed"):
+            use()
+    llm.engine.close()  # the engine's close is idempotent too
+
+
+def test_close_during_a_background_warmup_returns_promptly_and_quietly(tiny_dir, monkeypatch, capsys,
+                                                                       no_compile_cache):
+    """The warm-up thread is held until a stop is asked for: close stops it before it lowers or
+    compiles anything more, and a stop is not reported as a failure."""
+    from jlora.engine.runner import ModelRunner
+
+    real = ModelRunner._compile_pending
+
+    def held(self, keys):
+        self._stop_background.wait(60)
+        real(self, keys)
+
+    monkeypatch.setattr(ModelRunner, "_compile_pending", held)
+    llm = LLM(str(tiny_dir[0]), warmup="background", progress=False, use_compilation_cache=False, **ENGINE)
+    runner = llm.engine.runner
+    pending = set(runner._pending)
+    assert pending and runner._background.is_alive()
+    t = time.perf_counter()
+    llm.close()
+    assert time.perf_counter() - t < 10
+    assert not runner._background.is_alive() and runner.background_error is None
+    assert runner._pending == pending  # stopped before compiling any of them
+    assert "warm-up failed" not in capsys.readouterr().err
+
+
+def test_interpreter_exit_during_a_background_warmup_is_quiet(tiny_dir, tmp_path):
+    """Exit right after start: the exit hook stops the warm-up before concurrent.futures' own exit
+    hook refuses its work ("cannot schedule new futures after shutdown" was reported as a failed
+    warm-up). The executable store is on, so the warm-up hands its graphs to the store's writer."""
+    script = textwrap.dedent(f"""
+        from jlora import LLM
+        llm = LLM({str(tiny_dir[0])!r}, warmup="background", progress=False, use_compilation_cache=False,
+                  executable_cache={str(tmp_path / "executables")!r}, **{ENGINE!r})
+        assert llm.engine.runner._background.is_alive()
+    """)
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "warm-up failed" not in done.stderr, done.stderr[-3000:]
+    assert time.perf_counter() - t < 120
+
+
+def test_data_parallel_close_closes_every_replica_and_its_threads():
+    from jlora.engine.data_parallel import DataParallelEngine
+
+    class Replica:
+        config = tokenizer = eos_token_id = adapters = None
+        closes = 0
+
+        def close(self):
+            self.closes += 1
+
+        def has_unfinished(self):
+            return True
+
+        def step(self, finished_only=False):
+            return []
+
+    replicas = [Replica(), Replica()]
+    engine = DataParallelEngine(replicas)
+    before = set(threading.enumerate())
+    assert engine.step() == []  # the pool's threads start
+    threads = [t for t in set(threading.enumerate()) - before if t.name.startswith("jlora-dp")]
+    with engine:
+        pass
+    engine.close()
+    assert [r.closes for r in replicas] == [1, 1]
+    assert threads and not any(t.is_alive() for t in threads)
+    with pytest.raises(RuntimeError, match="is closed"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="is closed"):
+        engine.add_request("hi")
+
+
+def test_flax_state_flattening_leaves_no_reference_cycle():
+    """jlora.models.flax_cycles: nnx.split / merge / state / update leave nothing for the cyclic
+    collector (Flax's own flatten kept every flattened Variable in a cycle), and flatten the same."""
+    from flax import nnx
+
+    from jlora.models import flax_cycles
+
+    assert nnx.traversals.flatten_to_sequence is flax_cycles.flatten_to_sequence
+    xs = {"foo": 1, "bar": {"a": 2, "b": {}}, "c": {"d": {"e": 3}}}
+    assert flax_cycles.flatten_to_sequence(xs) == [(("foo",), 1), (("bar", "a"), 2), (("c", "d", "e"), 3)]
+    assert flax_cycles.flatten_to_sequence(xs, is_leaf=lambda path, x: path == ("c",)) == [
+        (("foo",), 1), (("bar", "a"), 2), (("c",), {"d": {"e": 3}})]
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        copy = nnx.merge(*nnx.split(model))
+        nnx.update(copy, nnx.from_flat_state(nnx.to_flat_state(nnx.state(model, nnx.Param))))
+        assert gc.collect() == 0
+    finally:
+        if was_enabled:
+            gc.enable()
