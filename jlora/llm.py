@@ -30,7 +30,9 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | No
     """Persistent XLA cache so a second start skips compilation: in `path`, else
     `$JLORA_CACHE_DIR/xla` (`jlora.caches`). Capped by JAX's own LRU eviction
     (`jax_compilation_cache_max_size`, from JLORA_CACHE_MAX_XLA_GB) unless that option was set
-    already. None (and a warning) when the folder is not the user's own (`caches.usable`): a cached
+    already. JAX's eviction needs an `-atime` file beside each entry: entries written without one
+    (eviction off: an older jlora, JAX alone) get it here; one such written while this process runs
+    makes JAX skip (with a warning) this process's later writes to the cache, until the next start. None (and a warning) when the folder is not the user's own (`caches.usable`): a cached
     executable runs code when loaded, so the cache stays off."""
     path = Path(path).expanduser() if path is not None else caches.cache_dir("xla")
     if not caches.usable(path):
@@ -40,10 +42,12 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | No
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     cap = caches.max_bytes("xla")
-    # JAX's eviction locks the folder with `filelock` (a dependency of transformers' hub client).
-    if cap is not None and jax.config.jax_compilation_cache_max_size == -1 and _has_filelock():
+    # JAX's eviction locks the folder with `filelock` (a dependency of transformers' hub client). It
+    # is on even without a cap (JLORA_CACHE_MAX_XLA_GB=none: a cap no folder reaches), so that every
+    # jlora process writes the -atime file another one's eviction reads.
+    if jax.config.jax_compilation_cache_max_size == -1 and _has_filelock():
         caches.prepare_xla_eviction(path)  # entries written with eviction off get their -atime file
-        jax.config.update("jax_compilation_cache_max_size", cap)
+        jax.config.update("jax_compilation_cache_max_size", cap if cap is not None else 2**62)
     return path
 
 

@@ -73,6 +73,10 @@ def test_enable_compilation_cache_uses_the_xla_folder_and_jax_cap(root, monkeypa
         assert jax.config.jax_compilation_cache_dir == str(root / "xla")
         assert jax.config.jax_compilation_cache_max_size == 500_000_000
         assert os.stat(root / "xla").st_mode & 0o777 == 0o700
+        jax.config.update("jax_compilation_cache_max_size", -1)
+        monkeypatch.setenv("JLORA_CACHE_MAX_XLA_GB", "none")  # no cap: eviction on (it writes -atime files)
+        enable_compilation_cache()
+        assert jax.config.jax_compilation_cache_max_size == 2**62
         jax.config.update("jax_compilation_cache_max_size", 123)  # set by the user: kept
         assert enable_compilation_cache(root / "elsewhere") == root / "elsewhere"  # LLM(compilation_cache_dir=)
         assert jax.config.jax_compilation_cache_max_size == 123
