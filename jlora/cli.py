@@ -1,4 +1,4 @@
-"""Command line: `jlora generate`, `jlora demo`, `jlora convert`, `jlora bench`, `jlora serve`.
+"""Command line: `jlora generate`, `jlora demo`, `jlora convert`, `jlora bench`, `jlora serve`, `jlora cache`.
 
 Everything that needs no model (sizes, sampling values, prompts, adapter directories) is checked
 before the model is loaded or a graph compiled, and errors are reported in the CLI's own words
@@ -274,6 +274,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_benchmark(args.what, args.rest)
 
 
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "none"
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """`jlora cache [list]`: each cache's folder, entries, bytes and cap; `jlora cache clear NAME|all`."""
+    from jlora import caches
+
+    names = list(caches.CACHES)
+    if args.action == "list":
+        if args.name is not None:
+            raise CLIError(f"`jlora cache list` takes no cache name, got {args.name!r}")
+        rows = [caches.describe(n) for n in names]
+        print(f"root: {caches.root()}  (JLORA_CACHE_DIR; caps: JLORA_CACHE_MAX_<NAME>_GB)")
+        print(f"{'cache':<12} {'entries':>8} {'size':>10} {'cap':>10}  folder")
+        for r in rows:
+            note = f"  (not used: {r['refused']})" if r["refused"] else ""
+            print(f"{r['name']:<12} {r['entries']:>8} {_bytes(r['bytes']):>10} {_bytes(r['cap']):>10}  {r['folder']}{note}")
+        strays = caches.strays()
+        if strays:
+            print(f"the root also holds {len(strays)} other files or folders (an older layout's caches, not used; "
+                  f"delete them by hand): {', '.join(p.name for p in strays[:5])}{', ...' if len(strays) > 5 else ''}")
+        return 0
+    if args.name is None:
+        raise CLIError(f"name the cache to clear: {', '.join(names)} or all")
+    if args.name != "all" and args.name not in names:
+        raise CLIError(f"unknown cache {args.name!r}; the caches are {', '.join(names)} (or all)")
+    for n in names if args.name == "all" else [args.name]:
+        before = caches.describe(n)
+        try:
+            folder = caches.clear(n)
+        except OSError as e:
+            raise CLIError(f"could not clear the {n} cache ({e})") from None
+        print(f"cleared {n}: {before['entries']} entries, {_bytes(before['bytes'])} ({folder})")
+    return 0
+
+
 def _version() -> str:
     import jlora
 
@@ -325,6 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", nargs="?", default="e2e", choices=list(BENCHMARKS))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
+
+    k = sub.add_parser("cache", help="`jlora cache [list]`: each cache's folder, entries, size and cap; "
+                                     "`jlora cache clear xla|weights|adapters|executables|all`")
+    k.add_argument("action", nargs="?", default="list", choices=["list", "clear"])
+    k.add_argument("name", nargs="?", default=None, help="the cache to clear: xla, weights, adapters, executables or all")
+    k.set_defaults(fn=cmd_cache)
     return parser
 
 

@@ -16,7 +16,9 @@ wrong format, arrays its user rejects) is detected on read, logged, removed and 
 crash, never wrong data. Never pickle.
 
 Each `ContentCache` counts what it did in its own `stats` (hits, misses, rebuilds, bytes_read,
-bytes_written, write_errors); nothing is process-global.
+bytes_written, write_errors, evicted); nothing else is process-global. Where the caches live, their size
+caps (least recently used entries go when one is written) and the rule that a cache folder must be
+the user's own: `jlora.caches`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from jlora import caches
 from jlora.formats import read_safetensors, write_safetensors
 
 logger = logging.getLogger(__name__)
@@ -51,17 +54,6 @@ T = TypeVar("T")
 def env_enabled(var: str) -> bool:
     """False when the environment variable `var` says off (0, false, no, off); on by default."""
     return os.environ.get(var, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def cache_root(name: str, override_var: str, compilation_cache_dir: str | os.PathLike | None = None) -> Path:
-    """`$override_var`, else a `name` sibling of the persistent XLA cache (`compilation_cache_dir`, else
-    `$JLORA_CACHE_DIR`), else ~/.cache/jlora/`name`."""
-    if os.environ.get(override_var):
-        return Path(os.environ[override_var])
-    xla = compilation_cache_dir if compilation_cache_dir is not None else os.environ.get("JLORA_CACHE_DIR")
-    if xla:
-        return Path(xla).parent / name
-    return Path.home() / ".cache" / "jlora" / name
 
 
 def file_sha256(path: Path, root: Path | None = None) -> str:
@@ -94,23 +86,27 @@ def file_sha256(path: Path, root: Path | None = None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CacheKind:
-    """One user of the cache: its kind (in every key), its tensors file, its environment variables
-    (`<env>=0` turns it off, `<env>_DIR` puts it somewhere) and its directory's default name."""
+    """One user of the cache: its kind (in every key), its tensors file, its switch (`<env>=0` turns it
+    off), its folder's name in `jlora.caches` (folder, cap) and whether a hit hands out views of the
+    entry's file (then the entry is held: this process's evictions keep it)."""
 
     kind: str
     tensors_file: str
     env: str
     dir_name: str
+    holds_entries: bool = False
 
     def enabled(self) -> bool:
         return env_enabled(self.env)
 
-    def default_dir(self, compilation_cache_dir: str | os.PathLike | None = None) -> Path:
-        return cache_root(self.dir_name, self.env + "_DIR", compilation_cache_dir)
+    def default_dir(self) -> Path:
+        """`jlora.caches.cache_dir`: its own variable (`<env>_DIR`), else `$JLORA_CACHE_DIR/<dir_name>`."""
+        return caches.cache_dir(self.dir_name)
 
     def open(self, root: str | os.PathLike | None = None) -> ContentCache:
         """The cache at `root` (default: `default_dir()`); its `stats` count what it did."""
-        return ContentCache(root if root is not None else self.default_dir(), self.kind, self.tensors_file)
+        return ContentCache(root if root is not None else self.default_dir(), self.kind, self.tensors_file,
+                            cap_name=self.dir_name, holds_entries=self.holds_entries)
 
 
 def content_key(kind: str, *parts: str) -> str:
@@ -122,10 +118,14 @@ def content_key(kind: str, *parts: str) -> str:
 class ContentCache:
     """Entries of one kind under `root`, each `<root>/<key>/{tensors_file, meta.json}`."""
 
-    def __init__(self, root: str | os.PathLike, kind: str, tensors_file: str):
+    def __init__(self, root: str | os.PathLike, kind: str, tensors_file: str, cap_name: str | None = None,
+                 holds_entries: bool = False):
+        """`cap_name`: the `jlora.caches` cache whose cap bounds this folder (None: no cap)."""
         self.root = Path(root)
         self.kind = kind
         self.tensors_file = tensors_file
+        self.cap_name = cap_name
+        self.holds_entries = holds_entries
         self.stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()  # conversion workers share one cache
 
@@ -169,14 +169,21 @@ class ContentCache:
     def get(self, key: str, decode: Callable[[dict[str, Any], dict[str, np.ndarray]], T]) -> T | None:
         """`decode(meta, tensors)` of the entry under `key`, or None (a miss) when there is none or it is
         damaged: a damaged entry (or one `decode` rejects with one of DAMAGED) is logged and removed, so
-        the caller's rebuild replaces it."""
+        the caller's rebuild replaces it. A hit marks the entry used (and held, for a kind whose values
+        are views of it). A folder that is not the user's own (`caches.usable`) is always a miss."""
         entry = self.entry(key)
+        if not caches.usable(self.root):
+            self._count("misses")
+            return None
         if entry.exists():
             try:
                 meta, tensors = self.read(key)
                 value = decode(meta, tensors)
                 self._count("hits")
                 self._count("bytes_read", int(meta["file_size"]))
+                caches.touch(entry)
+                if self.holds_entries:
+                    caches.hold(entry)
                 return value
             except DAMAGED as e:
                 logger.warning("%s cache entry %s is damaged (%s); rebuilding it", self.kind, entry, e)
@@ -188,10 +195,15 @@ class ContentCache:
     def put(self, key: str, tensors: dict[str, np.ndarray], info: dict[str, Any]) -> Path | None:
         """Write an entry into a temporary directory, then rename it to `<root>/<key>` (atomic: no half
         entries; if another process finished the same entry first, theirs is kept). None when it could
-        not be written (a full disk, a read-only home): the caller serves its arrays uncached."""
+        not be written (a full disk, a read-only home, a folder that is not the user's own): the caller
+        serves its arrays uncached. Then the least recently used entries go while the folder is over
+        its cap (never this one)."""
+        if not caches.usable(self.root):
+            self._count("write_errors")
+            return None
         tmp: Path | None = None
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            caches.make_dir(self.root)
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=self.root))
             size = write_safetensors(tmp / self.tensors_file, tensors)
             meta = {"format_version": FORMAT_VERSION, "key": key, "file_size": size, "tensors": sorted(tensors),
@@ -203,6 +215,12 @@ class ContentCache:
                 if not (self.entry(key) / META_FILE).is_file():
                     raise
             self._count("bytes_written", size)
+            if self.holds_entries:
+                caches.hold(self.entry(key))
+            if self.cap_name is not None:
+                evicted = caches.evict(self.cap_name, self.root, keep=[self.entry(key)], skip=[HASHES_DIR])
+                if evicted:
+                    self._count("evicted", len(evicted))
             return self.entry(key)
         except OSError as e:
             logger.warning("could not write the %s cache under %s (%s); continuing without it", self.kind,

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jlora import compile_stats
+from jlora import caches, compile_stats
 from jlora.adapters.request import LoRARequest
 from jlora.engine import executables
 from jlora.engine_args import ENGINE_DEFAULTS, engine_config
@@ -26,28 +26,45 @@ from jlora.sampling import SamplingParams
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
-    """Persistent XLA cache so a second start skips compilation."""
-    path = Path(path or os.environ.get("JLORA_CACHE_DIR") or Path.home() / ".cache" / "jlora" / "xla")
-    path.mkdir(parents=True, exist_ok=True)
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | None:
+    """Persistent XLA cache so a second start skips compilation: in `path`, else
+    `$JLORA_CACHE_DIR/xla` (`jlora.caches`). Capped by JAX's own LRU eviction
+    (`jax_compilation_cache_max_size`, from JLORA_CACHE_MAX_XLA_GB) unless that option was set
+    already. JAX's eviction needs an `-atime` file beside each entry: entries written without one
+    (eviction off: an older jlora, JAX alone) get it here; one such written while this process runs
+    makes JAX skip (with a warning) this process's later writes to the cache, until the next start. None (and a warning) when the folder is not the user's own (`caches.usable`): a cached
+    executable runs code when loaded, so the cache stays off."""
+    path = Path(path).expanduser() if path is not None else caches.cache_dir("xla")
+    if not caches.usable(path):
+        return None
+    caches.make_dir(path)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    cap = caches.max_bytes("xla")
+    # JAX's eviction locks the folder with `filelock` (a dependency of transformers' hub client). It
+    # is on even without a cap (JLORA_CACHE_MAX_XLA_GB=none: a cap no folder reaches), so that every
+    # jlora process writes the -atime file another one's eviction reads.
+    if jax.config.jax_compilation_cache_max_size == -1 and _has_filelock():
+        caches.prepare_xla_eviction(path)  # entries written with eviction off get their -atime file
+        jax.config.update("jax_compilation_cache_max_size", cap if cap is not None else 2**62)
     return path
 
 
-def weights_cache_dir(compilation_cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where converted weights are cached: a `weights` sibling of the compile cache directory."""
-    from jlora.models.weights_cache import default_cache_dir
+def _has_filelock() -> bool:
+    import importlib.util
 
-    return default_cache_dir(compilation_cache_dir)
+    return importlib.util.find_spec("filelock") is not None
 
 
-def adapter_cache_dir(compilation_cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where converted adapters are cached: an `adapters` sibling of the compile cache directory."""
-    from jlora.adapters.disk_cache import default_cache_dir
+def weights_cache_dir() -> Path:
+    """Where converted weights are cached: `$JLORA_CACHE_DIR/weights` (or JLORA_WEIGHTS_CACHE_DIR)."""
+    return caches.cache_dir("weights")
 
-    return default_cache_dir(compilation_cache_dir)
+
+def adapter_cache_dir() -> Path:
+    """Where converted adapters are cached: `$JLORA_CACHE_DIR/adapters` (or JLORA_ADAPTER_CACHE_DIR)."""
+    return caches.cache_dir("adapters")
 
 
 class LLM:
@@ -80,6 +97,11 @@ class LLM:
     loads it without tracing: None (the default) on one TPU host with the compile cache on, True
     wherever one engine runs on one device, a path puts it there, False (or
     JLORA_EXECUTABLE_CACHE=0) turns it off.
+
+    Every cache lives in its own folder under one root, `$JLORA_CACHE_DIR` (default ~/.cache/jlora):
+    xla/, weights/, adapters/, executables/, each capped in size (`jlora.caches`).
+    compilation_cache_dir puts the XLA compile cache (only) elsewhere; use_compilation_cache=False
+    turns it off.
 
     `close()` (or leaving `with LLM(...) as llm:`) stops a background warm-up and frees the device
     memory (weights, KV cache, LoRA slots), the compiled graphs and the engine's threads at once;
@@ -134,6 +156,7 @@ class LLM:
             raise ValueError(f"adapter_cache must be a bool or a directory, got {adapter_cache!r}")
         if not isinstance(executable_cache, (bool, str, os.PathLike)) and executable_cache is not None:
             raise ValueError(f"executable_cache must be None, a bool or a directory, got {executable_cache!r}")
+        caches.check_env()  # a malformed JLORA_CACHE_MAX_<NAME>_GB, named
         from jlora.models import weights_cache as wc
         from jlora.models.loading import load_model, read_model_config, resolve_model_path
         from jlora.models.quant import check_quantization
@@ -168,14 +191,14 @@ class LLM:
             enable_compilation_cache(compilation_cache_dir)
         cache = None
         if weights_cache and wc.cache_enabled():
-            cache = wc.open_cache(weights_cache_dir(compilation_cache_dir) if weights_cache is True else weights_cache)
+            cache = wc.open_cache(weights_cache_dir() if weights_cache is True else weights_cache)
         # The step graphs compiled by an earlier start of this engine, read while the weights stream in.
         model_cfg = read_model_config(path)
         store = None
         if executable_cache_wanted(executable_cache, use_compilation_cache, len(device_groups),
                                    tensor_parallel_size):
-            store = open_executable_store(executable_cache, compilation_cache_dir, device_groups[0], model_cfg,
-                                          dtype, self.quantization, self.config)
+            store = open_executable_store(executable_cache, device_groups[0], model_cfg, dtype, self.quantization,
+                                          self.config)
         # Read beside the weights' transfer on a TPU; on XLA:CPU a deserialization beside other
         # XLA work has crashed the process (docs/tpu.md, eighth pass), so there it waits its turn.
         if store is not None and warmup != "lazy" and jax.default_backend() == "tpu":
@@ -211,13 +234,11 @@ class LLM:
         with compile_stats.stage("init"):  # the zero-filled KV cache and adapter slots
             engines = [LLMEngine(self.model, self.tokenizer, self.config, eos, devices) for devices in device_groups]
             self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
-        if adapter_cache is True and compilation_cache_dir is not None:
-            adapter_cache = adapter_cache_dir(compilation_cache_dir)
         self.engine.adapters.set_disk_cache(adapter_cache)
         self.engine.adapters.set_max_cpu_lora_bytes(max_cpu_lora_bytes)
         if store is not None and cfg != model_cfg:  # the loaded config is not the one the key was made of
-            store = open_executable_store(executable_cache, compilation_cache_dir, device_groups[0], cfg,
-                                          dtype, self.quantization, self.config)
+            store = open_executable_store(executable_cache, device_groups[0], cfg, dtype, self.quantization,
+                                          self.config)
         self.executable_store = store
         for runner in self.runners:
             runner.executable_store = store
@@ -590,16 +611,14 @@ def executable_cache_wanted(executable_cache: bool | str | os.PathLike | None, u
     return True
 
 
-def open_executable_store(executable_cache: bool | str | os.PathLike | None,
-                          compilation_cache_dir: str | os.PathLike | None, devices: Seq[Any], model_cfg: Any,
+def open_executable_store(executable_cache: bool | str | os.PathLike | None, devices: Seq[Any], model_cfg: Any,
                           dtype: str, quantization: str, config: Any) -> executables.ExecutableStore | None:
-    """The executable store of this engine: keyed by the code, the platform and devices, the model's
-    config, dtype and quantization and the engine's config (`executables.fingerprint`)."""
-    if compilation_cache_dir is None and jax.config.jax_compilation_cache_dir:
-        compilation_cache_dir = jax.config.jax_compilation_cache_dir
+    """The executable store of this engine (True/None: `$JLORA_CACHE_DIR/executables`; a path: there):
+    keyed by the code, the platform and devices, the model's config, dtype and quantization and the
+    engine's config (`executables.fingerprint`)."""
     key = executables.fingerprint(devices, f"model={model_cfg!r}", f"dtype={dtype}", f"quantization={quantization}",
                                   f"engine={config!r}")
-    return executables.open_store(True if executable_cache is None else executable_cache, key, compilation_cache_dir)
+    return executables.open_store(True if executable_cache is None else executable_cache, key)
 
 
 WARMUP_MODES = {True: "eager", False: "lazy", "eager": "eager", "lazy": "lazy", "background": "background"}

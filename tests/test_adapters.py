@@ -1016,7 +1016,7 @@ def test_disk_cache_off(adapters, tmp_path, monkeypatch):
     mgr.prepare(_req(1, adapters))
     assert mgr.disk_cache_dir is None and not cache.exists()
     monkeypatch.delenv("JLORA_ADAPTER_CACHE")
-    monkeypatch.setenv("JLORA_CACHE_DIR", str(tmp_path / "xla"))
+    monkeypatch.setenv("JLORA_CACHE_DIR", str(tmp_path))  # the root: every cache in its own folder
     assert disk_cache.default_cache_dir() == tmp_path / "adapters"
     monkeypatch.setenv("JLORA_ADAPTER_CACHE_DIR", str(tmp_path / "elsewhere"))
     assert AdapterManager(CFG, max_loras=1, max_lora_rank=8, disk_cache=True).disk_cache_dir == tmp_path / "elsewhere"

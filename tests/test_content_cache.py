@@ -113,8 +113,8 @@ def test_weights_and_adapters_are_two_kinds_of_one_cache(tmp_path, monkeypatch):
     assert (a.kind, a.tensors_file) == ("adapter", "adapter.safetensors")
     monkeypatch.delenv("JLORA_WEIGHTS_CACHE_DIR", raising=False)
     monkeypatch.delenv("JLORA_ADAPTER_CACHE_DIR", raising=False)
-    monkeypatch.setenv("JLORA_CACHE_DIR", str(tmp_path / "env" / "xla"))
-    assert wc.default_cache_dir() == tmp_path / "env" / "weights"
-    assert dc.default_cache_dir(tmp_path / "arg" / "xla") == tmp_path / "arg" / "adapters"  # LLM(compilation_cache_dir=)
+    monkeypatch.setenv("JLORA_CACHE_DIR", str(tmp_path / "root"))  # the root of every cache (jlora.caches)
+    assert wc.default_cache_dir() == tmp_path / "root" / "weights"
+    assert dc.default_cache_dir() == tmp_path / "root" / "adapters"
     monkeypatch.setenv("JLORA_ADAPTER_CACHE_DIR", str(tmp_path / "mine"))
-    assert dc.default_cache_dir(tmp_path / "arg" / "xla") == tmp_path / "mine"
+    assert dc.default_cache_dir() == tmp_path / "mine"

@@ -450,7 +450,7 @@ def test_executable_fingerprint_covers_switches_and_configs(tiny_dir, monkeypatc
     # Off by the environment, and by default off the TPU.
     with monkeypatch.context() as m:
         m.setenv("JLORA_EXECUTABLE_CACHE", "0")
-        assert open_executable_store(True, None, devices, "cfg", "float32", "none", cfg) is None
+        assert open_executable_store(True, devices, "cfg", "float32", "none", cfg) is None
 
 
 def test_executable_cache_option_resolution_and_bad_values(tmp_path):

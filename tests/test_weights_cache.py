@@ -122,8 +122,8 @@ def test_safetensors_written_here_are_read_by_the_library(tmp_path):
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):
     monkeypatch.delenv("JLORA_WEIGHTS_CACHE_DIR", raising=False)
-    monkeypatch.setenv("JLORA_CACHE_DIR", str(tmp_path / "c" / "xla"))
-    assert wc.default_cache_dir() == tmp_path / "c" / "weights"  # a sibling of the compile cache
+    monkeypatch.setenv("JLORA_CACHE_DIR", str(tmp_path / "c"))
+    assert wc.default_cache_dir() == tmp_path / "c" / "weights"  # a folder of the caches' root
     monkeypatch.setenv("JLORA_WEIGHTS_CACHE_DIR", str(tmp_path / "w"))
     assert wc.default_cache_dir() == tmp_path / "w"
     monkeypatch.setenv("JLORA_WEIGHTS_CACHE", "0")

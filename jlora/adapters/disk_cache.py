@@ -14,9 +14,9 @@ a copy of the same adapter elsewhere hits. Directories written by `jlora convert
 already converted and are not cached again. A damaged entry (truncated, edited, wrong format, wrong
 shapes) is detected on read and rebuilt.
 
-Where: `JLORA_ADAPTER_CACHE_DIR`, else an `adapters` sibling of `JLORA_CACHE_DIR` (the persistent
-XLA cache), else `~/.cache/jlora/adapters`. `JLORA_ADAPTER_CACHE=0` (or `LLM(adapter_cache=False)`)
-turns it off.
+Where: `JLORA_ADAPTER_CACHE_DIR`, else `$JLORA_CACHE_DIR/adapters` (default `~/.cache/jlora/adapters`;
+see `jlora.caches`, which also caps its size, `JLORA_CACHE_MAX_ADAPTERS_GB`: the least recently used
+entries go). `JLORA_ADAPTER_CACHE=0` (or `LLM(adapter_cache=False)`) turns it off.
 """
 
 from __future__ import annotations

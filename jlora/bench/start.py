@@ -1,7 +1,7 @@
 """`jlora bench start`: what `LLM()` at default sizes costs from a fresh process to its first token.
 
-Cold: empty persistent compile cache and empty weights cache (both in a new temporary directory,
-through JLORA_CACHE_DIR and JLORA_WEIGHTS_CACHE_DIR). Warm: a second fresh process on the same
+Cold: empty persistent compile cache and empty weights cache (every cache under a new temporary
+directory, through JLORA_CACHE_DIR). Warm: a second fresh process on the same
 directories. Each run reports the seconds to the first generated token (from the parent's spawn,
 so interpreter start and imports count), where they went (imports, weights, warm-up), and the
 graphs compiled (`jlora.compile_stats`) and loaded from the persistent cache.
@@ -61,8 +61,9 @@ print("%s" + json.dumps({
 
 def run_once(root: Path, llm_kwargs: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One fresh process building `LLM(**llm_kwargs)` with its caches under `root`, to its first token."""
-    env = dict(os.environ, JLORA_CACHE_DIR=str(root / "xla"), JLORA_WEIGHTS_CACHE_DIR=str(root / "weights"))
-    env.pop("JLORA_WEIGHTS_CACHE", None)  # the weights cache is part of what a warm start measures
+    env = dict(os.environ, JLORA_CACHE_DIR=str(root))  # every cache in its folder under root (jlora.caches)
+    for var in ("JLORA_WEIGHTS_CACHE", "JLORA_WEIGHTS_CACHE_DIR", "JLORA_ADAPTER_CACHE_DIR", "JLORA_EXECUTABLE_CACHE_DIR"):
+        env.pop(var, None)  # the weights cache is part of what a warm start measures, in root
     spawn = time.time()
     proc = subprocess.run([sys.executable, "-c", _CHILD, repr(spawn), json.dumps(llm_kwargs)], env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -17,11 +17,13 @@ a graph could depend on is checked when it is used: a loaded executable whose ar
 dtypes or shardings differ from the runner's is dropped and the graph compiled as usual. An
 unreadable or stale file is a miss, never an error.
 
-Where: `JLORA_EXECUTABLE_CACHE_DIR`, else an `executables` sibling of the compile cache directory.
-`JLORA_EXECUTABLE_CACHE=0` (or `LLM(executable_cache=False)`) turns it off. At most
-`MAX_FINGERPRINTS` fingerprints are kept (the least recently used go), so edits to the source do
-not grow the directory without bound. Like JAX's own cache, the files are trusted: loading one runs
-a pickle, so the directory must be the user's own.
+Where: `JLORA_EXECUTABLE_CACHE_DIR`, else `$JLORA_CACHE_DIR/executables` (default
+`~/.cache/jlora/executables`, `jlora.caches`). `JLORA_EXECUTABLE_CACHE=0` (or
+`LLM(executable_cache=False)`) turns it off. The folder is capped (`JLORA_CACHE_MAX_EXECUTABLES_GB`):
+when a graph is stored, the least recently used fingerprints go (never this store's own), so edits
+to the source do not grow it without bound. Loading a file runs a pickle, so a folder that is not
+the user's own, or that group or others can write, is not used (`jlora.caches.usable`: a warning,
+and the graphs compile as usual).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import logging
 import os
 import pickle
 import platform
-import shutil
 import sys
 import threading
 import time
@@ -42,13 +43,13 @@ from typing import Any, Iterable
 
 import jax
 
-from jlora.content_cache import cache_root, env_enabled
+from jlora import caches
+from jlora.content_cache import env_enabled
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 ENV = "JLORA_EXECUTABLE_CACHE"
-MAX_FINGERPRINTS = 16
 _PACKAGE = Path(__file__).resolve().parents[1]  # the jlora package
 # The packages a step's trace reads: their loaded modules' upper-case constants are in the
 # fingerprint (the front ends' and benches' are not, so a server and a script share graphs).
@@ -60,8 +61,9 @@ def enabled() -> bool:
     return env_enabled(ENV)
 
 
-def default_dir(compilation_cache_dir: str | os.PathLike | None = None) -> Path:
-    return cache_root("executables", ENV + "_DIR", compilation_cache_dir)
+def default_dir() -> Path:
+    """`jlora.caches.cache_dir("executables")`: JLORA_EXECUTABLE_CACHE_DIR, else under JLORA_CACHE_DIR."""
+    return caches.cache_dir("executables")
 
 
 def graph_name(key: tuple[tuple[int, int, int], bool]) -> str:
@@ -197,6 +199,7 @@ class ExecutableStore:
     def __init__(self, root: str | os.PathLike, key: str):
         self.root, self.key = Path(root), key
         self.dir = self.root / key
+        caches.hold(self.dir)  # this process's evictions keep it
         self.stats = {"hits": 0, "misses": 0, "writes": 0, "errors": 0, "load_seconds": 0.0}
         # Each load's seconds, file size and when it finished (seconds since the store opened).
         self.loads: dict[str, dict[str, float]] = {}
@@ -257,7 +260,7 @@ class ExecutableStore:
         with self._lock:
             self.stats["load_seconds"] += done - t
             self.loads[name] = {"seconds": round(done - t, 3), "bytes": len(data), "done_at": round(done - self.t0, 3)}
-        os.utime(self.dir)  # recently used: kept by `_prune`
+        caches.touch(self.dir)  # recently used: kept by `_prune`
         return compiled, out_layout
 
     def put(self, name: str, compiled: Any, out_layout: Any) -> bool:
@@ -268,7 +271,7 @@ class ExecutableStore:
         try:
             payload, in_tree, out_tree = serialize(compiled)
             data = pickle.dumps((payload, in_tree, out_tree, out_layout), protocol=pickle.HIGHEST_PROTOCOL)
-            self.dir.mkdir(parents=True, exist_ok=True)
+            caches.make_dir(self.dir)
             tmp = self.path(name).with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
             tmp.write_bytes(data)
             os.replace(tmp, self.path(name))
@@ -283,24 +286,19 @@ class ExecutableStore:
         return True
 
     def _prune(self) -> None:
-        """Keep the MAX_FINGERPRINTS most recently used fingerprints' directories."""
-        try:
-            dirs = sorted((d for d in self.root.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime,
-                          reverse=True)
-        except OSError:
-            return
-        for d in dirs[MAX_FINGERPRINTS:]:
-            if d != self.dir:
-                shutil.rmtree(d, ignore_errors=True)
+        """Remove the least recently used fingerprints' folders while the store is over its cap
+        (`jlora.caches`); never this store's own."""
+        caches.evict("executables", self.root, keep=[self.dir])
 
 
-def open_store(cache: bool | str | os.PathLike, key: str,
-               compilation_cache_dir: str | os.PathLike | None = None) -> ExecutableStore | None:
-    """The store for `key`: None when off (`cache` False or JLORA_EXECUTABLE_CACHE=0); True: the
-    default directory; a path: there."""
+def open_store(cache: bool | str | os.PathLike, key: str) -> ExecutableStore | None:
+    """The store for `key`: None when off (`cache` False or JLORA_EXECUTABLE_CACHE=0) or when the
+    folder is not the user's own (`caches.usable`, a warning); True: the default folder; a path: there."""
     if cache is False or not enabled():
         return None
-    root = default_dir(compilation_cache_dir) if cache is True else Path(cache)
+    root = default_dir() if cache is True else Path(cache)
+    if not caches.usable(root):
+        return None
     return ExecutableStore(root, key)
 
 

@@ -15,9 +15,10 @@ the format version, so an edited source misses and a copy of the same file elsew
 are memoized by (path, size, mtime) so multi-GB checkpoints are hashed once. A damaged entry
 (truncated, edited, wrong format) is detected on read and rebuilt.
 
-Where: `JLORA_WEIGHTS_CACHE_DIR`, else a `weights` sibling of `JLORA_CACHE_DIR` (the persistent
-XLA cache, see `jlora.llm.enable_compilation_cache`), else `~/.cache/jlora/weights`.
-`JLORA_WEIGHTS_CACHE=0` (or `LLM(weights_cache=False)`) turns it off.
+Where: `JLORA_WEIGHTS_CACHE_DIR`, else `$JLORA_CACHE_DIR/weights` (default `~/.cache/jlora/weights`;
+see `jlora.caches`, which also caps its size, `JLORA_CACHE_MAX_WEIGHTS_GB`: the least recently used
+entries go, never the one this process runs on). `JLORA_WEIGHTS_CACHE=0` (or
+`LLM(weights_cache=False)`) turns it off.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import numpy as np
 from jlora.content_cache import DAMAGED, CacheKind, ContentCache
 from jlora.models.config import LlamaConfig
 
-WEIGHTS = CacheKind(kind="weights", tensors_file="model.safetensors", env="JLORA_WEIGHTS_CACHE", dir_name="weights")
+# A hit's tensors are views over the entry's file: it is held (kept by this process's evictions).
+WEIGHTS = CacheKind(kind="weights", tensors_file="model.safetensors", env="JLORA_WEIGHTS_CACHE", dir_name="weights",
+                    holds_entries=True)
 TENSORS_FILE = WEIGHTS.tensors_file
 cache_enabled = WEIGHTS.enabled
 default_cache_dir = WEIGHTS.default_dir
