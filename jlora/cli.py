@@ -128,7 +128,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
         check_tensor_parallel(read_model_config(args.model), kwargs["tensor_parallel_size"])
     if args.model is not None and not Path(args.model).exists():
-        raise CLIError(f"--model: {args.model!r} does not exist (a GGUF file or a checkpoint directory)")
+        from jlora.models.loading import _looks_like_hub_name
+
+        hub = ", and hub names are not supported: pass a downloaded model's local path" \
+            if _looks_like_hub_name(args.model) else ""
+        raise CLIError(f"--model: {args.model!r} does not exist (a GGUF file or a checkpoint directory){hub}")
     return kwargs
 
 

@@ -51,6 +51,7 @@ def _error(argv, capsys) -> str:
     (["generate", "hi", "--token-buckets", "1,3"], "--token-buckets="),
     (["generate", "hi", "--token-buckets", "a,b"], "--token-buckets must be comma-separated integers"),
     (["generate", "hi", "--model", "/no/such/model.gguf"], "--model: '/no/such/model.gguf' does not exist"),
+    (["generate", "hi", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"], "hub names are not supported"),
     (["generate", "hi", "--lora", "/no/such/adapter"], "--lora: adapter directory '/no/such/adapter' does not exist"),
     (["demo", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
     (["demo", "--max-loras", "0"], "--max-loras must be a positive int"),

@@ -148,6 +148,11 @@ def test_padding_tokens_never_read_a_slot():
 def test_missing_model_and_malformed_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_model(tmp_path / "nope.gguf")
+    with pytest.raises(FileNotFoundError, match="hub names are not supported"):  # what a vLLM user types first
+        load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    from jlora.models.loading import _looks_like_hub_name
+
+    assert not any(_looks_like_hub_name(p) for p in ("models/x.gguf", "./a/b", "/abs/path", "a/b/c", "~/m"))
     (tmp_path / "config.json").write_text("{not json")
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="malformed config.json"):

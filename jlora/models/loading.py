@@ -53,8 +53,20 @@ def resolve_model_path(model: str | Path | None) -> Path:
         return default_model_path()
     path = Path(model)
     if not path.exists():
+        if _looks_like_hub_name(str(model)):
+            raise FileNotFoundError(
+                f"model path {str(model)!r} does not exist here, and hub names are not supported: jlora loads "
+                f"no weights from a model hub; download the model and pass its local path (a GGUF file or a "
+                f"directory with config.json)")
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (a GGUF file or a directory with config.json)")
     return path
+
+
+def _looks_like_hub_name(name: str) -> bool:
+    """'org/name' as model hubs spell repositories: one slash, no path-like start, no file suffix."""
+    parts = name.split("/")
+    return (len(parts) == 2 and all(p and p not in (".", "..") for p in parts) and not name.startswith("~")
+            and not name.lower().endswith((".gguf", ".safetensors", ".json")))
 
 
 # ---- Hugging Face checkpoints -----------------------------------------------------------------
