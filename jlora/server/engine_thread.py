@@ -153,7 +153,12 @@ class EngineThread:
     def _turn(self, stalled: bool, failures: int) -> tuple[bool, bool, int]:
         """One loop turn: commands, then one step. Returns (the thread is done, stalled, failures)."""
         eng = self.engine
-        self.heartbeat = time.monotonic()
+        if failures and not eng.has_unfinished():  # the failing requests are gone: start afresh
+            failures = 0
+        if failures == 0:  # steps that keep raising are no progress: /health goes 503 after a while
+            self.heartbeat = time.monotonic()
+        elif failures >= _REPEATS_BEFORE_RUNNING:
+            time.sleep(_IDLE_WAIT_S)  # a broken engine must not spin a core
         busy = eng.has_unfinished() and not stalled
         if self._run_commands(timeout=None if busy else _IDLE_WAIT_S):
             # A command may have stepped the engine itself (an offline LLM.generate on this
@@ -192,19 +197,18 @@ class EngineThread:
         return out
 
     def _running_ids(self) -> list[str]:
-        """Our requests with a sequence in the engine's running batch."""
+        """The requests with a sequence in the engine's running batch."""
         try:
-            ids = dict.fromkeys(s.request_id for s in self.engine.scheduler.running)
+            return list(dict.fromkeys(s.request_id for s in self.engine.scheduler.running))
         except Exception:  # noqa: BLE001 (an engine without a scheduler to read: no batch to name)
             return []
-        return [rid for rid in ids if rid in self._sinks]
 
     def _step_raised(self, e: Exception, running_before: list[str], failures: int) -> None:
         """`engine.step()` raised outside its own isolation: fail the request the raising code was
         handling; when none can be named, or steps keep raising, the running batch; past twice
         that, everything in flight (the engine may be broken for everyone)."""
         error = f"the engine step failed: {type(e).__name__}: {e}"
-        culprits = [rid for rid in culprit_requests(e.__traceback__) if rid in self._sinks]
+        culprits = culprit_requests(e.__traceback__)
         if failures >= 2 * _REPEATS_BEFORE_RUNNING:
             log.error("engine steps keep failing (%d in a row); aborting every request", failures, exc_info=e)
             self._finish_all("error", error)
@@ -212,7 +216,7 @@ class EngineThread:
         if not culprits or failures >= _REPEATS_BEFORE_RUNNING:
             culprits = list(dict.fromkeys(running_before + self._running_ids())) or culprits
         if not culprits:  # nothing runs and nothing can be named: the head of the queue was being admitted
-            culprits = list(self._sinks)[:1]
+            culprits = list(self._sinks)[:1] or list(getattr(self.engine, "requests", {}))[:1]
         log.error("an engine step failed outside its isolation; failing %s", culprits, exc_info=e)
         for rid in culprits:
             self._fail(rid, error)
