@@ -23,6 +23,7 @@ def test_a_minute_of_soak_loses_nothing_and_keeps_output_and_memory(tmp_path):
     assert r["probe_unchanged"] and len(r["probes"]) >= 10, r["probes"]
     assert len(r["churns"]) >= 6 and all(s == 200 for s in r["churn_statuses"]), r["churns"]
     assert r["server_exit_code"] == 0, r.get("server_log_tail")
+    assert r["end_state"]["idle"] and r["end_state"]["compiles_after_warmup"] == 0, r["end_state"]
     # Generous: allocator and compile-cache noise, not a leak of one request's state per request.
     assert r["rss_mib_end"] <= 1.25 * r["rss_mib_after_10s"] + 64, r["rss_mib"]
     assert json.loads((tmp_path / "soak.json").read_text())["sent"] == r["sent"]

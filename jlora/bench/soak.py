@@ -9,8 +9,8 @@ and the adapters in turn, with random max_tokens (EOS ignored). Meanwhile:
 - one adapter ("churn") is unloaded and loaded again through /v1/unload_lora_adapter and
   /v1/load_lora_adapter every `--churn-every` seconds, while requests keep naming it (a 404 while
   it is unloaded is its right answer);
-- a greedy probe (the base model, a fixed prompt) runs every `--probe-every` seconds: its output
-  must not change over the run;
+- a greedy probe (a fixed prompt, on the base model and on the first adapter, whose slot the
+  others take in turn) runs every `--probe-every` seconds: its output must not change over the run;
 - the server's resident memory (VmRSS of /proc/<pid>/status) is sampled every second.
 
 Every request ends in one of: completed (200, whole, or a stream to `[DONE]`), walked away (the
@@ -18,7 +18,9 @@ client left on purpose), refused to retry (429 or 503), not found (404 on the ch
 unloaded), rejected (another 4xx: a bug in this bench or the server), or lost (no answer in time, a
 connection error, a 5xx, or a stream that ended without `[DONE]` or with an error event).
 Reported: those counts, latency and TTFT p50/p99 of the completed ones, RSS over time (after the
-first 10 s and at the end), whether the probe stayed the same, and every churn call's status.
+first 10 s and at the end), whether the probe stayed the same, every churn call's status, and the
+engine's gauges from /metrics once all clients are done (nothing running, waiting or holding a KV
+block, and no compilation after warm-up).
 `--out DIR` writes DIR/soak.json and DIR/soak.md.
 
     jlora bench soak [--model tiny|default|PATH] [--rate 2] [--duration 60] [--adapters 3] [--out DIR]
@@ -182,6 +184,7 @@ class Soak:
                  args: argparse.Namespace):
         self.base_url, self.pid, self.base_model, self.root, self.args = base_url, pid, base_model, root, args
         self.models = [base_model, *adapters, CHURN]
+        self.probe_models = [base_model, *adapters[:1]]  # the base model and the first adapter
         self.rng = random.Random(args.seed)
         self.outcomes: list[Outcome] = []
         self.probes: list[dict[str, Any]] = []
@@ -189,6 +192,7 @@ class Soak:
         self.rss: list[tuple[float, int]] = []
         self.churn_loaded = True
         self.t0 = 0.0
+        self.end_state: dict[str, float] = {}
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
@@ -217,6 +221,30 @@ class Soak:
             await self._probe_once(client)  # the last probe, after everything
             sidecars[0].cancel()
             self.rss.append((self._now(), rss_kib(self.pid) or 0))
+            self.end_state = await self._end_state(client)
+
+    async def _end_state(self, client: Any, wait_s: float = 15.0) -> dict[str, float]:
+        """The engine's gauges once every client is done (waiting up to `wait_s` for the last
+        walk-aways' aborts): nothing should run, wait or hold a KV block."""
+        names = {"jlora_num_requests_running": "running", "jlora_num_requests_waiting": "waiting",
+                 "jlora_kv_blocks_used": "kv_blocks_used", "jlora_xla_compiles_after_warmup": "compiles_after_warmup",
+                 "jlora_num_preemptions": "preemptions", "jlora_lora_evictions": "lora_evictions"}
+        deadline, state = time.monotonic() + wait_s, {}
+        while True:
+            try:
+                text = (await client.get("/metrics")).text
+            except Exception:  # noqa: BLE001 (reported as no state)
+                return {}
+            state = {}
+            for line in text.splitlines():
+                key, _, value = line.rpartition(" ")
+                if key.split("{")[0].removesuffix("_total") in names:
+                    state[names[key.split("{")[0].removesuffix("_total")]] = float(value)
+            idle = all(state.get(k) == 0 for k in ("running", "waiting", "kv_blocks_used"))
+            if idle or time.monotonic() > deadline:
+                state["idle"] = idle
+                return state
+            await asyncio.sleep(0.5)
 
     async def _sample_rss(self) -> None:
         while True:
@@ -232,12 +260,14 @@ class Soak:
 
     async def _probe_once(self, client: Any) -> None:
         t = self._now()
-        try:
-            r = await client.post("/v1/completions", json={"model": self.base_model, **PROBE})
-            text = r.json()["choices"][0]["text"] if r.status_code == 200 else None
-            self.probes.append({"t": round(t, 1), "status": r.status_code, "text": text})
-        except Exception as e:  # noqa: BLE001 (recorded: a probe without an answer)
-            self.probes.append({"t": round(t, 1), "status": None, "text": None, "error": repr(e)})
+        for model in self.probe_models:
+            try:
+                r = await client.post("/v1/completions", json={"model": model, **PROBE})
+                text = r.json()["choices"][0]["text"] if r.status_code == 200 else None
+                self.probes.append({"t": round(t, 1), "model": model, "status": r.status_code, "text": text})
+            except Exception as e:  # noqa: BLE001 (recorded: a probe without an answer)
+                self.probes.append({"t": round(t, 1), "model": model, "status": None, "text": None,
+                                    "error": repr(e)})
 
     async def _churn(self, client: Any) -> None:
         while True:
@@ -353,7 +383,9 @@ def summarize(soak: Soak, args: argparse.Namespace, exit_code: int | None, start
     ttfts = [o.ttft for o in outs if o.ttft is not None and o.outcome == "completed"]
     rss = [(round(t, 1), round(k / 1024, 1)) for t, k in soak.rss]
     after_10 = next((m for t, m in rss if t >= 10.0), rss[-1][1] if rss else None)
-    texts = [p["text"] for p in soak.probes]
+    texts: dict[str, list[str | None]] = {}
+    for p in soak.probes:
+        texts.setdefault(p["model"], []).append(p["text"])
     return {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "server_start_s": round(start_s, 1),
@@ -364,12 +396,20 @@ def summarize(soak: Soak, args: argparse.Namespace, exit_code: int | None, start
         "ttft_p50_ms": _pct(ttfts, 50), "ttft_p99_ms": _pct(ttfts, 99),
         "rss_mib_after_10s": after_10, "rss_mib_end": rss[-1][1] if rss else None,
         "rss_mib_max": max((m for _, m in rss), default=None), "rss_mib": rss,
-        "probe_unchanged": bool(texts) and all(t is not None and t == texts[0] for t in texts),
+        "probe_unchanged": bool(texts) and all(t is not None and t == ts[0] for ts in texts.values() for t in ts),
         "probes": soak.probes, "churns": soak.churns,
         "churn_statuses": [c["status"] for c in soak.churns],
+        "end_state": soak.end_state,
         "server_exit_code": exit_code,
         "problems": [dataclasses.asdict(o) for o in outs if o.outcome in ("lost", "rejected")][:20],
     }
+
+
+def _end_words(state: dict[str, float]) -> str:
+    if not state:
+        return "no /metrics answer"
+    words = ", ".join(f"{k} {v:g}" for k, v in state.items() if k != "idle")
+    return f"{'idle' if state.get('idle') else 'NOT idle'} ({words})"
 
 
 def format_markdown(r: dict[str, Any]) -> str:
@@ -391,10 +431,11 @@ def format_markdown(r: dict[str, Any]) -> str:
         f"| {r['latency_p50_ms']} | {r['latency_p99_ms']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
         f"{r['rss_mib_after_10s']} | {r['rss_mib_end']} | {r['rss_mib_max']} |",
         "",
-        f"Greedy probe unchanged over {len(r['probes'])} probes: {'yes' if r['probe_unchanged'] else 'NO'}. "
+        f"Greedy probes (base model and adapter a0) unchanged over {len(r['probes'])} probes: "
+        f"{'yes' if r['probe_unchanged'] else 'NO'}. "
         f"Adapter churn calls ({len(r['churns'])}): "
         + ", ".join(f"{x['action']} {x['status']}" for x in r["churns"]) + ". "
-        f"Server exit code after SIGTERM: {r['server_exit_code']}.",
+        f"At the end: {_end_words(r['end_state'])}. Server exit code after SIGTERM: {r['server_exit_code']}.",
         "",
         "RSS over time (s: MiB): " + ", ".join(f"{t:g}: {m:g}" for t, m in rss[::step]) + ".",
     ]
@@ -475,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print(format_markdown(result), end="")
     ok = (result["lost"] == 0 and result["http_5xx"] == 0 and result["rejected"] == 0 and result["probe_unchanged"]
-          and all(s == 200 for s in result["churn_statuses"]) and result["server_exit_code"] == 0)
+          and all(s == 200 for s in result["churn_statuses"]) and result["server_exit_code"] == 0
+          and result["end_state"].get("idle", False))
     return 0 if ok else 1
 
 
