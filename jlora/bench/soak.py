@@ -177,6 +177,7 @@ class Outcome:
     latency: float | None = None
     ttft: float | None = None
     detail: str = ""
+    sent_at: float = 0.0  # seconds into the run
 
 
 class Soak:
@@ -311,7 +312,7 @@ class Soak:
     async def _request(self, client: Any) -> None:
         kind, body, stream, walk = self._body()
         path = "/v1/chat/completions" if kind.startswith("chat") else "/v1/completions"
-        out = Outcome(kind, body["model"], "lost")
+        out = Outcome(kind, body["model"], "lost", sent_at=round(self._now(), 2))
         t0 = time.monotonic()
         try:
             if stream:
@@ -376,6 +377,12 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000, 1) if values else None
 
 
+def _by_third(done: list[Outcome], duration: float) -> list[float | None]:
+    """Latency p50 of the requests sent in each third of the run: a queue that grows shows as a rise."""
+    return [_pct([o.latency for o in done if i * duration / 3 <= o.sent_at < (i + 1) * duration / 3], 50)
+            for i in range(3)]
+
+
 def summarize(soak: Soak, args: argparse.Namespace, exit_code: int | None, start_s: float) -> dict[str, Any]:
     outs = soak.outcomes
     counts = {k: sum(o.outcome == k for o in outs) for k in OUTCOMES}
@@ -394,6 +401,7 @@ def summarize(soak: Soak, args: argparse.Namespace, exit_code: int | None, start
         "by_kind": {k: sum(o.kind == k for o in outs) for k in sorted({o.kind for o in outs})},
         "latency_p50_ms": _pct([o.latency for o in done], 50), "latency_p99_ms": _pct([o.latency for o in done], 99),
         "ttft_p50_ms": _pct(ttfts, 50), "ttft_p99_ms": _pct(ttfts, 99),
+        "latency_p50_ms_by_third": _by_third(done, args.duration),
         "rss_mib_after_10s": after_10, "rss_mib_end": rss[-1][1] if rss else None,
         "rss_mib_max": max((m for _, m in rss), default=None), "rss_mib": rss,
         "probe_unchanged": bool(texts) and all(t is not None and t == ts[0] for ts in texts.values() for t in ts),
@@ -430,6 +438,9 @@ def format_markdown(r: dict[str, Any]) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|",
         f"| {r['latency_p50_ms']} | {r['latency_p99_ms']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
         f"{r['rss_mib_after_10s']} | {r['rss_mib_end']} | {r['rss_mib_max']} |",
+        "",
+        "Latency p50 of the requests sent in each third of the run (ms): "
+        + ", ".join(str(x) for x in r["latency_p50_ms_by_third"]) + ".",
         "",
         f"Greedy probes (base model and adapter a0) unchanged over {len(r['probes'])} probes: "
         f"{'yes' if r['probe_unchanged'] else 'NO'}. "
