@@ -220,6 +220,8 @@ class EngineThread:
         log.error("an engine step failed outside its isolation; failing %s", culprits, exc_info=e)
         for rid in culprits:
             self._fail(rid, error)
+        # What the step did before it raised (a request it finished) reaches its client now.
+        self._deliver(self._outputs_of(list(self._sinks)))
         self._update_snapshot()
 
     def _run_commands(self, timeout: float | None) -> bool:
