@@ -20,7 +20,7 @@ def test_a_minute_of_soak_loses_nothing_and_keeps_output_and_memory(tmp_path):
     assert r["sent"] >= 60, summary
     assert r["lost"] == 0 and r["http_5xx"] == 0 and r["rejected"] == 0, summary
     assert r["completed"] >= r["sent"] // 2 and r["walked_away"] > 0, summary
-    assert r["probe_unchanged"] and len(r["probes"]) >= 10, r["probes"]
+    assert r["probe_unchanged"] and r["probe_adapter_differs"] and len(r["probes"]) >= 10, r["probes"]
     assert len(r["churns"]) >= 6 and all(s == 200 for s in r["churn_statuses"]), r["churns"]
     assert r["server_exit_code"] == 0, r.get("server_log_tail")
     assert r["end_state"]["idle"] and r["end_state"]["compiles_after_warmup"] == 0, r["end_state"]

@@ -60,6 +60,7 @@ CHURN = "churn"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=False,
             rope_theta=10000.0, rope_scaling=None, bos_token_id=1, eos_token_id=2)
+ADAPTER_ALPHA_SCALE = 64  # write_peft_adapter's B ~ N(0, 0.01^2) barely moves a greedy pick: scale it up
 OUTCOMES = ("completed", "walked_away", "refused_retry", "not_found", "rejected", "lost")
 
 
@@ -92,7 +93,12 @@ def write_adapters(model: str | None, root: Path, n: int, rank: int, seed: int =
 
     cfg = read_model_config(model)
     rng = np.random.default_rng(seed)
-    return [write_peft_adapter(root / name, cfg, rank, ALL_LINEAR, rng) for name in [*(f"a{i}" for i in range(n)), CHURN]]
+    paths = [write_peft_adapter(root / name, cfg, rank, ALL_LINEAR, rng) for name in [*(f"a{i}" for i in range(n)), CHURN]]
+    for p in paths:  # strong enough that each adapter's greedy output differs from the base model's
+        config = json.loads((p / "adapter_config.json").read_text())
+        config["lora_alpha"] *= ADAPTER_ALPHA_SCALE
+        (p / "adapter_config.json").write_text(json.dumps(config))
+    return paths
 
 
 # ---- the server --------------------------------------------------------------------------------------
@@ -405,6 +411,8 @@ def summarize(soak: Soak, args: argparse.Namespace, exit_code: int | None, start
         "rss_mib_after_10s": after_10, "rss_mib_end": rss[-1][1] if rss else None,
         "rss_mib_max": max((m for _, m in rss), default=None), "rss_mib": rss,
         "probe_unchanged": bool(texts) and all(t is not None and t == ts[0] for ts in texts.values() for t in ts),
+        # An adapter probe that reads like the base model's could not show an adapter served from the wrong slot.
+        "probe_adapter_differs": len(texts) > 1 and len({ts[0] for ts in texts.values()}) == len(texts),
         "probes": soak.probes, "churns": soak.churns,
         "churn_statuses": [c["status"] for c in soak.churns],
         "end_state": soak.end_state,
@@ -443,7 +451,8 @@ def format_markdown(r: dict[str, Any]) -> str:
         + ", ".join(str(x) for x in r["latency_p50_ms_by_third"]) + ".",
         "",
         f"Greedy probes (base model and adapter a0) unchanged over {len(r['probes'])} probes: "
-        f"{'yes' if r['probe_unchanged'] else 'NO'}. "
+        f"{'yes' if r['probe_unchanged'] else 'NO'} (the adapter's differs from the base model's: "
+        f"{'yes' if r['probe_adapter_differs'] else 'no'}). "
         f"Adapter churn calls ({len(r['churns'])}): "
         + ", ".join(f"{x['action']} {x['status']}" for x in r["churns"]) + ". "
         f"At the end: {_end_words(r['end_state'])}. Server exit code after SIGTERM: {r['server_exit_code']}.",
