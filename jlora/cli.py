@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: `jlora bench` (end to end), `jlora bench start` (cold and warm "
                                      "start-up), `jlora bench kernels`, `jlora bench serve`, `jlora bench adapters` (many "
                                      "adapters, S-LoRA's experiment), `jlora bench lora-cost`, `decode-step`, "
-                                     "`adapter-load` (see jlora/bench/)")
+                                     "`adapter-load`, `prefix`, `soak` (the server under sustained load; see jlora/bench/)")
     b.add_argument("what", nargs="?", default="e2e", choices=list(BENCHMARKS))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)

@@ -12,6 +12,7 @@
     jlora bench tpu                tpu.py: on a TPU chip, against its HBM and MXU roofline (docs/tpu.md)
     jlora bench tpu-compile        tpu_compile.py: the step graphs compiled for a v5e chip without one (libtpu)
     jlora bench prefix             prefix.py: a shared system prompt over 4 adapters, prefix cache on vs off
+    jlora bench soak               soak.py: `jlora serve` under sustained mixed load, adapter churn, walk-aways
 
 Each module has a `main(argv) -> int` and imports what it measures only when it runs, so this
 table (and `jlora --help`) costs no JAX import.
@@ -24,7 +25,8 @@ import importlib
 # command name -> module under jlora.bench; "e2e" is what a bare `jlora bench` runs
 BENCHMARKS = {"e2e": "workload", "start": "start", "kernels": "kernels", "serve": "serve", "adapters": "adapters",
               "lora-cost": "lora_cost", "decode-step": "decode_step", "adapter-load": "adapter_load",
-              "parallel": "parallel", "tpu": "tpu", "tpu-compile": "tpu_compile", "prefix": "prefix"}
+              "parallel": "parallel", "tpu": "tpu", "tpu-compile": "tpu_compile", "prefix": "prefix",
+              "soak": "soak"}
 
 
 def run(name: str, argv: list[str]) -> int:

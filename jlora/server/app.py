@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import hmac
 import itertools
@@ -35,7 +36,8 @@ from jlora.server.openai_requests import (
 )
 from jlora.server.openai_responses import Formatter
 from jlora.server.tools import ToolCalls
-from jlora.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_STALL_S, max_prompt_bytes
+from jlora.server.limits import (DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_STALL_S,
+                                 PREP_THREADS, RETRY_AFTER_S, max_prompt_bytes)
 from jlora.server.metrics import CONTENT_TYPE, ServerMetrics
 from jlora.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
@@ -55,7 +57,8 @@ class OpenAIServer:
 
     def __init__(self, llm: Any, model_id: str, lora_modules: dict[str, str] | None = None,
                  enable_runtime_lora_updating: bool = False, lora_root: str | os.PathLike | None = None,
-                 shutdown_grace_s: float = 0.0, default_max_tokens: int = DEFAULT_MAX_TOKENS):
+                 shutdown_grace_s: float = 0.0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                 max_prompts: int = DEFAULT_MAX_PROMPTS):
         if enable_runtime_lora_updating and lora_root is None:
             raise ValueError("runtime adapter loading needs lora_root (--lora-root): paths are confined to it")
         self.llm = llm
@@ -64,6 +67,10 @@ class OpenAIServer:
         self.max_n: int = llm.config.max_n
         self.vocab_size: int = llm.model.cfg.vocab_size
         self.default_max_tokens = default_max_tokens
+        self.max_prompts = max_prompts
+        # Templating and tokenizing run here, off the event loop (the streams of others keep flowing).
+        self.prep = concurrent.futures.ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="jlora-prep")
+        self.preparing = 0  # sequences of requests being prepared: counted against the waiting queue
         self.max_prompt_bytes = max_prompt_bytes(self.max_model_len, llm.tokenizer)
         self.metrics = ServerMetrics()
         self.engine = EngineThread(llm, self.metrics)
@@ -184,6 +191,52 @@ class OpenAIServer:
         lora = self.lora_for(req.model)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        seqs = self._check_work(req, chat)  # before anything is templated or tokenized
+        self.preparing += seqs
+        try:
+            loop = asyncio.get_running_loop()
+            prompts, params, fmt = await loop.run_in_executor(self.prep, self._prepare, req, chat)
+            request.state.request_id = fmt.id  # for the access log line
+            gen = Generation(self.engine, fmt.id, len(prompts), received)
+            await gen.start(prompts, params, lora)
+        finally:
+            self.preparing -= seqs
+        if req.stream:
+            # The stream's finally aborts on a disconnect; the background close also covers a client
+            # that leaves before the first chunk (the generator never started, so no finally runs).
+            return StreamingResponse(self._stream(gen, fmt, len(prompts)), media_type="text/event-stream",
+                                     background=BackgroundTask(gen.close))
+        return await _unless_disconnected(request, self._whole(gen, fmt))
+
+    def _check_work(self, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> int:
+        """The sequences `req` would queue, counted from its parsed body alone: 400 naming the field
+        when it has more prompts than --max-prompts-per-request or more sequences than the queue
+        ever holds, 429 when the queue (with the requests still being tokenized) has no room now."""
+        if chat:
+            count, field = 1, "messages"
+        else:
+            p = req.prompt
+            count = 1 if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else len(p)
+            field = "prompt"
+            if count > self.max_prompts:
+                raise APIError(400, f"prompt holds {count} prompts; at most {self.max_prompts} are accepted in one "
+                                    f"request (--max-prompts-per-request)", param="prompt")
+        seqs = count * req.n
+        cap = self.llm.config.max_waiting_seqs
+        if cap is not None and seqs > cap:
+            raise APIError(400, f"{count} prompts x n={req.n} is more sequences than the server ever "
+                                f"queues (--max-waiting-seqs={cap})", param="n" if req.n > 1 else field)
+        queued = self.engine.waiting + self.preparing
+        if cap is not None and queued + seqs > cap:
+            raise APIError(429, f"the server is busy: {queued} sequences are waiting or being prepared and this "
+                                f"request adds {seqs}; max_waiting_seqs={cap}; retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        return seqs
+
+    def _prepare(self, req: CompletionRequest | ChatCompletionRequest,
+                 chat: bool) -> tuple[list[dict[str, Any]], Any, Formatter]:
+        """Template and tokenize `req`, check it against the context, build its SamplingParams and
+        its reply's formatter. Runs on the prep threads: nothing here touches the event loop."""
         if chat:
             if req.top_logprobs is not None and not req.logprobs:
                 raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -202,10 +255,6 @@ class OpenAIServer:
             prompts = completion_prompts(req, self.llm.tokenizer, self.max_prompt_bytes, self.vocab_size)
             max_tokens = req.max_tokens
             field = "prompt"
-        cap = self.llm.config.max_waiting_seqs
-        if cap is not None and len(prompts) * req.n > cap:
-            raise APIError(400, f"{len(prompts)} prompts x n={req.n} is more sequences than the server ever "
-                                f"queues (--max-waiting-seqs={cap})", param="n" if req.n > 1 else field)
         prompt_only = not chat and req.echo and max_tokens == 0  # lm-eval's loglikelihood requests
         if max_tokens == 0 and not prompt_only:
             raise APIError(400, "max_tokens=0 is only allowed with echo=true", param="max_tokens")
@@ -224,15 +273,7 @@ class OpenAIServer:
                           for p in prompts]
         fmt = Formatter(chat, req.model, req.n, self.llm.tokenizer, num_logprobs, include_usage,
                         req.return_tokens_as_token_ids, echo_texts, prompt_only, tools, self.llm.engine.eos_token_id)
-        request.state.request_id = fmt.id  # for the access log line
-        gen = Generation(self.engine, fmt.id, len(prompts), received)
-        await gen.start(prompts, params, lora)
-        if req.stream:
-            # The stream's finally aborts on a disconnect; the background close also covers a client
-            # that leaves before the first chunk (the generator never started, so no finally runs).
-            return StreamingResponse(self._stream(gen, fmt, len(prompts)), media_type="text/event-stream",
-                                     background=BackgroundTask(gen.close))
-        return await _unless_disconnected(request, self._whole(gen, fmt))
+        return prompts, params, fmt
 
     async def _whole(self, gen: Generation, fmt: Formatter) -> Response:
         finals = {}
@@ -338,7 +379,7 @@ class _BodySizeLimit:
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
             resp = ErrorJSON(error_body(413, f"request body of {int(length)} bytes is over the limit of "
-                                             f"{self.max_bytes} (--max-request-bytes)"),
+                                             f"{self.max_bytes} (--max-request-bytes)", param="body"),
                              status_code=413, headers={"Connection": "close"})
             return await resp(scope, receive, send)
         seen = 0
@@ -406,14 +447,14 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
               enable_runtime_lora_updating: bool = False, lora_root: str | os.PathLike | None = None,
               shutdown_grace_s: float = 0.0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_auth: bool = False,
-              health_stall_timeout: float = DEFAULT_STALL_S) -> FastAPI:
+              health_stall_timeout: float = DEFAULT_STALL_S, max_prompts: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
     """The server for a warmed-up `LLM`. The engine thread starts and stops with the app's lifespan.
 
     The engine thread gets `shutdown_grace_s` to finish running requests and 5 s more to end; if it
     is wedged in a step the app stops without it (`stopped_cleanly` is False), so a SIGTERM always
     ends the server."""
     server = OpenAIServer(llm, model_id, lora_modules, enable_runtime_lora_updating, lora_root, shutdown_grace_s,
-                          default_max_tokens)
+                          default_max_tokens, max_prompts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -421,6 +462,7 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
         yield
         app.state.stopped_cleanly = await asyncio.to_thread(server.engine.stop, server.shutdown_grace_s,
                                                             server.shutdown_grace_s + 5.0)
+        server.prep.shutdown(wait=False, cancel_futures=True)
         if not app.state.stopped_cleanly:
             log.error("the engine thread did not stop within %.0f s; leaving it", server.shutdown_grace_s + 5.0)
 
@@ -450,7 +492,9 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return ErrorJSON(error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers)
+        param = "body" if e.status_code == 413 else None
+        return ErrorJSON(error_body(e.status_code, str(e.detail), param=param), status_code=e.status_code,
+                         headers=e.headers)
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "Serving", "content": None},
@@ -479,11 +523,11 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses={k: _ERRORS[k] for k in (400, 404, 413)})
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return server.tokenize(body)
+        return await asyncio.get_running_loop().run_in_executor(server.prep, server.tokenize, body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses={k: _ERRORS[k] for k in (400, 404, 413)})
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return server.detokenize(body)
+        return await asyncio.get_running_loop().run_in_executor(server.prep, server.detokenize, body)
 
     generation = {k: _ERRORS[k] for k in (400, 401, 404, 413, 429, 500, 503)}
     generation[200] = {"description": "The completion, or with stream=true an event stream of chunks",
