@@ -323,10 +323,10 @@ def test_the_engine_adds_no_copy_of_the_streamed_weights(tiny_ckpts):
     """LLM() (int8, bf16) holds its weights, KV cache and slots once: the live device arrays it adds
     are what memory_report() counts (the runner uses the streamed arrays as they are)."""
     from jlora import LLM
-    from jlora.bench.tpu import _write_tokenizer
+    from jlora.models.random_checkpoint import write_word_tokenizer
 
     path = tiny_ckpts["bfloat16", False]
-    _write_tokenizer(path, TINY["vocab_size"])
+    write_word_tokenizer(path, TINY["vocab_size"])
     gc.collect()
     before, _ = live_bytes()
     llm = LLM(str(path), dtype="bfloat16", quantization="int8", max_model_len=64, max_num_seqs=2,
