@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from jlora import caches, compile_stats
 from jlora.adapters.request import LoRARequest
+from jlora.closing import Closable
 from jlora.engine import executables
 from jlora.engine_args import ENGINE_DEFAULTS, engine_config
 from jlora.outputs import RequestOutput
@@ -67,7 +68,7 @@ def adapter_cache_dir() -> Path:
     return caches.cache_dir("adapters")
 
 
-class LLM:
+class LLM(Closable):
     """A model, its tokenizer and an engine; `generate`, `generate_stream` and `chat` as in vLLM.
 
     Everything checkable from the arguments alone (dtype, engine sizes, buckets, lora_impl, the model
@@ -108,6 +109,8 @@ class LLM:
     using the LLM afterwards raises RuntimeError. A dropped LLM frees the same without it.
     """
 
+    _closed_name = "this LLM"
+
     def __init__(
         self,
         model: str | os.PathLike | None = None,
@@ -147,7 +150,6 @@ class LLM:
         progress: bool = True,
     ):
         t0 = time.perf_counter()
-        self.closed = False
         backend_started = start_backend()  # the TPU runtime's start overlaps the imports below
         v = max_cpu_lora_bytes
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -263,13 +265,11 @@ class LLM:
             for part in ("load_stored", "trace_and_lower", "compile"):
                 self.startup_seconds[f"warmup_{part}"] = sum(r.compile_seconds[part] for r in self.runners)
 
-    def close(self) -> None:
-        """Stop a background warm-up, free the engine's device arrays and compiled graphs and the
-        model's weights, and stop the engine's threads (`LLMEngine.close`, `DataParallelEngine.close`)
-        and the executable store's. Idempotent; generate, chat and the rest raise RuntimeError after it."""
-        if self.closed:
-            return
-        self.closed = True
+    def _release(self) -> None:
+        """`close()`: stop a background warm-up, free the engine's device arrays and compiled graphs
+        and the model's weights, and stop the engine's threads (`LLMEngine.close`,
+        `DataParallelEngine.close`) and the executable store's. Generate, chat and the rest raise
+        RuntimeError after it."""
         from flax import nnx
 
         self.engine.close()
@@ -278,16 +278,6 @@ class LLM:
         for x in jax.tree.leaves(nnx.state(self.model)):  # the weights as loaded (the runner uses them on one device)
             if isinstance(x, jax.Array):
                 x.delete()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this LLM is closed")
 
     @property
     def runners(self) -> list:

@@ -18,6 +18,7 @@ import itertools
 from collections import OrderedDict
 from typing import Any, Sequence
 
+from jlora.closing import Closable
 from jlora.adapters.manager import AdapterHandle, AdapterManager
 from jlora.adapters.request import LoRARequest
 from jlora.engine.llm_engine import EngineStats, LLMEngine
@@ -82,7 +83,7 @@ class ReplicatedAdapters:
 ROUTED_HASHES = 1 << 16  # block hashes of recently routed prompts remembered for routing (LRU)
 
 
-class DataParallelEngine:
+class DataParallelEngine(Closable):
     """d LLMEngines, one per device group, as one engine (`LLMEngine`'s interface)."""
 
     def __init__(self, replicas: Sequence[LLMEngine]):
@@ -98,26 +99,12 @@ class DataParallelEngine:
         # block hash -> replica its prompt went to: a burst of requests sharing a prefix follows the
         # first one before any of them is admitted (and its blocks claimed) there.
         self._routed: OrderedDict[bytes, int] = OrderedDict()
-        self.closed = False
 
-    def close(self) -> None:
-        """Close every replica (`LLMEngine.close`) and stop the stepping threads. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
+    def _release(self) -> None:
+        """`close()`: close every replica (`LLMEngine.close`) and stop the stepping threads."""
         for r in self.replicas:
             r.close()
         self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> DataParallelEngine:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this engine is closed")
 
     @property
     def runner(self):  # the first replica's (its config and shapes are every replica's)

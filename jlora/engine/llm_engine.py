@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import jax
 
+from jlora.closing import Closable
 from jlora.adapters.manager import AdapterHandle, AdapterManager
 from jlora.adapters.request import LoRARequest
 from jlora.engine.config import EngineConfig
@@ -65,7 +66,7 @@ class EngineStats:
     prefill_tokens: int = 0  # tokens prefilled (prompts after their cached prefix, and recomputation)
 
 
-class LLMEngine:
+class LLMEngine(Closable):
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, eos_token_id: int | None,
                  devices: Sequence[Any] | None = None):
         """`devices`: the engine's devices (several: tensor parallel over them; ModelRunner)."""
@@ -90,15 +91,11 @@ class LLMEngine:
         self._inflight: tuple[Any, Any, bool] | None = None  # (plan, launched step, committed) ahead
         # Under jax.distributed every process must draw the same seeds (they feed one global step).
         self._seed_rng = random.Random(0 if jax.process_count() > 1 else None)
-        self.closed = False
 
-    def close(self) -> None:
-        """Stop a background warm-up, wait for a step launched ahead, free the device arrays (KV
-        cache, weights, LoRA slots) and compiled graphs, and stop the adapter worker. Idempotent;
+    def _release(self) -> None:
+        """`close()`: stop a background warm-up, wait for a step launched ahead, free the device
+        arrays (KV cache, weights, LoRA slots) and compiled graphs, and stop the adapter worker;
         `add_request` and `step` raise RuntimeError after it."""
-        if self.closed:
-            return
-        self.closed = True
         if self._inflight is not None:
             try:
                 self.runner.collect(self._inflight[1])
@@ -107,16 +104,6 @@ class LLMEngine:
             self._inflight = None
         self.runner.close()
         self.adapters.close()
-
-    def __enter__(self) -> LLMEngine:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this engine is closed")
 
     # Read-only views for tests and benchmarks (callers use `stats()`).
     @property
