@@ -5,10 +5,31 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import numbers
 import os
 from typing import Any, Mapping
 
 import numpy as np
+
+# A LoRA scale (LoRARequest.scale, a combination's weights) must be finite with |scale| <= this.
+# 0..2 is the usual range for an adapter's strength and negative values subtract an adapter (task
+# arithmetic, as peft's add_weighted_adapter allows); past 10 the delta outweighs what the adapter
+# was trained to add by an order of magnitude, outputs degenerate and float16 activations near
+# overflow, so a larger value is far more likely a typo (50 for 0.5) than intended.
+MAX_LORA_SCALE = 10.0
+
+
+def check_scale(value: Any, what: str) -> float:
+    """`value` as a float if it is a finite real number with |value| <= MAX_LORA_SCALE, else ValueError
+    naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a finite number in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}], got "
+                         f"{type(value).__name__} {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or abs(v) > MAX_LORA_SCALE:
+        raise ValueError(f"{what} must be a finite number in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}], got {v!r}")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +47,12 @@ class LoRARequest:
     read-only host arrays when the request is made, so later changes to the caller's arrays do not
     leak into it; `content_hash` (sha256 of the tensors and the config) identifies the content:
     a new request under the same name with other content is a new version of that adapter.
-    Equality and hashing use the name, id, path and content_hash, never the arrays.
+    Equality and hashing use the name, id, path, scale and content_hash, never the arrays.
+
+    `scale` (default 1.0) multiplies this adapter's delta for this request only (peft's
+    `scale_layer`): requests for one adapter at different scales share its slot and run in one
+    batch. A finite number in [-10, 10] (MAX_LORA_SCALE); 0 is the base model. `combine` makes a
+    request that uses several adapters at once.
     """
 
     lora_name: str
@@ -39,6 +65,7 @@ class LoRARequest:
     # False keeps this adapter out of the disk cache of converted adapters (`LLM.update_adapter`:
     # a training loop's versions are served once each and must not pile up on disk).
     disk_cache: bool = dataclasses.field(default=True, kw_only=True, compare=False)
+    scale: float = dataclasses.field(default=1.0, kw_only=True)
     content_hash: str | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +73,7 @@ class LoRARequest:
             raise ValueError(f"LoRARequest.lora_name must be a non-empty string, got {self.lora_name!r}")
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
             raise ValueError(f"LoRARequest.lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        object.__setattr__(self, "scale", check_scale(self.scale, f"LoRARequest {self.lora_name!r}: scale"))
         if self.tensors is None and self.config is not None:
             raise ValueError(f"LoRARequest {self.lora_name!r}: config is given without tensors; pass the PEFT "
                              f"state dict as tensors=... (or a lora_path instead of config)")
@@ -69,6 +97,24 @@ class LoRARequest:
         if not isinstance(self.lora_path, (str, os.PathLike)) or not str(self.lora_path):
             raise ValueError(f"LoRARequest.lora_path must be a non-empty path, got {self.lora_path!r}")
         object.__setattr__(self, "lora_path", str(self.lora_path))
+
+    @staticmethod
+    def combine(*requests: LoRARequest, weights: Any = None) -> LoRACombination:
+        """One request that uses several adapters at once: its delta is sum_i weights[i] *
+        scale_i * delta_i, what peft's `add_weighted_adapter(names, weights, combination_type="cat")`
+        builds (each adapter's own `scale` multiplies its weight). `weights` defaults to 1.0 each.
+        The result goes wherever a LoRARequest goes (`generate`, `chat`, the engine); its adapters
+        are scheduled as one unit (all in slots, or the request waits), so it needs
+        len(requests) <= max_loras."""
+        return LoRACombination(requests, weights)
+
+    @property
+    def slot_weights(self) -> tuple[float, ...]:
+        return (self.scale,)
+
+    @property
+    def parts(self) -> tuple[LoRARequest, ...]:
+        return (self,)
 
     @property
     def in_memory(self) -> bool:
@@ -148,3 +194,57 @@ def _content_hash(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any]) 
         h.update(f"|{k}|{a.dtype.name}|{a.shape}|".encode())
         h.update(a.tobytes())
     return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class LoRACombination:
+    """Several adapters in one request (`LoRARequest.combine`): `parts` (LoRARequests) and their
+    `weights`. Accepted wherever a LoRARequest is; `lora_name` ("a+b") names it in logs and
+    metrics. Each part keeps its own slot (shared with every other request for that adapter); a
+    token of this request reads each part's slot with weight `weights[i] * parts[i].scale`."""
+
+    parts: tuple[LoRARequest, ...]
+    weights: tuple[float, ...]
+
+    def __init__(self, parts: Any, weights: Any = None):
+        parts = tuple(parts)
+        if not parts:
+            raise ValueError("LoRARequest.combine: needs at least one LoRARequest, got none")
+        for i, p in enumerate(parts):
+            if not isinstance(p, LoRARequest):
+                raise ValueError(f"LoRARequest.combine: argument {i} must be a LoRARequest, got {type(p).__name__} "
+                                 f"(a combination cannot contain a combination; list its adapters instead)")
+        names = [p.lora_name for p in parts]
+        ids = [p.lora_int_id for p in parts]
+        for what, keys in (("name", names), ("lora_int_id", ids)):
+            dups = sorted({repr(k) for k in keys if keys.count(k) > 1})
+            if dups:
+                raise ValueError(f"LoRARequest.combine: adapter {what} {', '.join(dups)} appears more than once; "
+                                 f"give each adapter once with its total weight")
+        if weights is None:
+            weights = (1.0,) * len(parts)
+        if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__"):
+            raise ValueError(f"LoRARequest.combine: weights must be a sequence of {len(parts)} numbers, got "
+                             f"{type(weights).__name__}")
+        if len(weights) != len(parts):
+            raise ValueError(f"LoRARequest.combine: weights has {len(weights)} entries for {len(parts)} adapters "
+                             f"({', '.join(names)})")
+        checked = tuple(check_scale(w, f"LoRARequest.combine: weights[{i}] ({names[i]!r})")
+                        for i, w in enumerate(weights))
+        for i, (w, p) in enumerate(zip(checked, parts)):
+            check_scale(w * p.scale, f"LoRARequest.combine: weights[{i}] * scale of {names[i]!r}")
+        object.__setattr__(self, "parts", parts)
+        object.__setattr__(self, "weights", checked)
+
+    @property
+    def lora_name(self) -> str:
+        return "+".join(p.lora_name for p in self.parts)
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def slot_weights(self) -> tuple[float, ...]:
+        """Each part's weight in a token's mix: its combination weight times its own scale."""
+        return tuple(w * p.scale for w, p in zip(self.weights, self.parts))

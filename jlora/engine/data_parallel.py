@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from jlora.closing import Closable
 from jlora.adapters.manager import AdapterHandle, AdapterManager
-from jlora.adapters.request import LoRARequest
+from jlora.adapters.request import LoRACombination, LoRARequest
 from jlora.engine.llm_engine import EngineStats, LLMEngine
 from jlora.engine.prefix_cache import extend_hashes, root_hash
 from jlora.outputs import RequestOutput
@@ -170,8 +170,11 @@ class DataParallelEngine(Closable):
                     request_id: str | None = None, lora_handle: AdapterHandle | None = None) -> str:
         """`LLMEngine.add_request` on the replica `_route` picks; request ids are unique across replicas."""
         self._check_open()
-        if lora_request is not None and lora_handle is None:
+        if isinstance(lora_request, LoRACombination) and lora_handle is None:
+            lora_handle = tuple(self.adapters.prepare(p) for p in lora_request.parts)  # once, for every replica
+        elif lora_request is not None and lora_handle is None:
             lora_handle = self.adapters.prepare(lora_request)  # once, for every replica
+        single = None if isinstance(lora_handle, tuple) else lora_handle  # routing looks at one adapter
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -179,8 +182,8 @@ class DataParallelEngine(Closable):
         if self.config.enable_prefix_caching:  # tokenized once here, to route by the prompt's blocks
             text, ids = self.replicas[0]._tokenize(prompt)
             prompt = {"prompt_token_ids": ids, "prompt": text}
-            hashes = self._prefix_hashes(ids, lora_handle)
-        eng = self._route(lora_handle, hashes)
+            hashes = self._prefix_hashes(ids, single)
+        eng = self._route(single, hashes)
         eng.add_request(prompt, params, lora_request, request_id=request_id, lora_handle=lora_handle)
         self._owner[request_id] = eng
         return request_id

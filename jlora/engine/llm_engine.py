@@ -28,7 +28,7 @@ import jax
 
 from jlora.closing import Closable
 from jlora.adapters.manager import AdapterHandle, AdapterManager
-from jlora.adapters.request import LoRARequest
+from jlora.adapters.request import LoRACombination, LoRARequest
 from jlora.engine.config import EngineConfig
 from jlora.engine.detokenizer import IncrementalDetokenizer
 from jlora.engine.output_processor import OutputProcessor
@@ -160,9 +160,12 @@ class LLMEngine(Closable):
         if any(not 0 <= t < self.runner.cfg.vocab_size for t in ids):
             raise ValueError(f"prompt_token_ids must be in [0, {self.runner.cfg.vocab_size})")
         handle = None
-        if lora_request is not None:
+        if isinstance(lora_request, LoRACombination):
+            handle = self._prepare_combination(lora_request, lora_handle)
+        elif lora_request is not None:
             if not isinstance(lora_request, LoRARequest):
-                raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+                raise ValueError(f"lora_request must be a LoRARequest, a LoRARequest.combine(...) or None, got "
+                                 f"{type(lora_request).__name__}")
             if lora_handle is not None and lora_handle.version[0] != lora_request.lora_name:
                 raise ValueError(f"lora_handle is for adapter {lora_handle.version[0]!r}, the request names "
                                  f"{lora_request.lora_name!r}")
@@ -184,6 +187,28 @@ class LLMEngine(Closable):
         self.requests[request_id] = req
         self.scheduler.add(seqs)
         return request_id
+
+    def _prepare_combination(self, combo: LoRACombination,
+                             handles: tuple[AdapterHandle, ...] | None) -> tuple[AdapterHandle, ...]:
+        """Each part's adapter version (converted now unless given), after checking the parts can
+        be in slots at once: no more of them than slots, and a slot of enough rank for each."""
+        n = len(combo.parts)
+        if n > self.config.max_loras:
+            raise ValueError(f"lora_request combines {n} adapters ({combo.lora_name}) but the engine has "
+                             f"max_loras={self.config.max_loras} slots; all of a combination's adapters must be "
+                             f"in slots at once (raise max_loras or combine fewer)")
+        if handles is not None:
+            if not isinstance(handles, tuple) or [h.version[0] for h in handles] != [p.lora_name for p in combo.parts]:
+                raise ValueError(f"lora_handle must be one handle per part of {combo.lora_name!r}, in order")
+        else:
+            handles = tuple(self.adapters.prepare(p) for p in combo.parts)
+        # Slot pools of several ranks (lora_slot_ranks): the largest part takes the largest slot, and so on.
+        slot_ranks = sorted(self.adapters.slot_ranks, reverse=True)
+        ranks = sorted((h.adapter.rank for h in handles), reverse=True)
+        if any(r > sr for r, sr in zip(ranks, slot_ranks)):
+            raise ValueError(f"lora_request {combo.lora_name!r}: adapters of ranks {ranks} do not fit the slots of "
+                             f"ranks {sorted(self.adapters.slot_ranks)} at once")
+        return handles
 
     def _tokenize(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -40,6 +40,7 @@ from jlora.engine import executables
 from jlora.engine.config import EngineConfig
 from jlora.engine.executables import ExecutableStore, graph_name
 from jlora.engine.structured import fill_mask
+from jlora.kernels.common import MIX_SLOT
 from jlora.kernels.paged_attention_tpu import cache_lanes, default_chunk
 from jlora.models import quant
 from jlora.models.llama import AttnGroup, Llama, init_cache
@@ -195,6 +196,18 @@ def resolve_attn_impl(impl: str, tp_size: int, kv_dtype: Any) -> str:
     return "pallas" if jax.default_backend() == "tpu" and tp_size == 1 and real_floats else "xla"
 
 
+def fill_slots(batch: dict[str, Any], rows: slice, s: Sequence) -> None:
+    """Tokens `rows` of `batch` read `s`'s adapter: its slot and scale, or (a combination) MIX_SLOT
+    and each part's weight at the part's slot."""
+    if s.slots:
+        batch["slot_ids"][rows] = MIX_SLOT
+        batch["slot_mix"][rows, list(s.slots)] = s.lora.slot_weights
+    else:
+        batch["slot_ids"][rows] = s.slot
+        if s.lora is not None:
+            batch["slot_scale"][rows] = s.lora.scale
+
+
 def step_graph(weights, lora_state, cache, ints, floats, history, allowed, prev_tokens, *, layout, lora_impl,
                attn_chunk, attn_impl, lora_skip=True, graphdef, weights_def, out_layouts, max_num_seqs):
     """One step (ModelRunner's `_step` jits it, the keyword arguments after `lora_skip` bound): the
@@ -214,7 +227,7 @@ def step_graph(weights, lora_state, cache, ints, floats, history, allowed, prev_
         groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"], runs=True))
     hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
                                   lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl,
-                                  lora_skip=lora_skip)
+                                  lora_skip=lora_skip, slot_scale=batch["slot_scale"], slot_mix=batch["slot_mix"])
     logits = model.logits(hidden[batch["sample_index"]])
     out = sample(logits, batch["sampling"])
     if batch["pre_positions"].shape[0]:
@@ -327,7 +340,9 @@ class ModelRunner:
         """Host arrays for one step with every row and token padding; the scheduler fills them in.
 
         shape (R, P, Q): R decode rows; the prefill part, P sequences of Q chunk tokens (0, 0: none).
-        tokens / slot_ids [R + P*Q]: the R decode rows first, then the prefill rows;
+        tokens / slot_ids [R + P*Q]: the R decode rows first, then the prefill rows (slot id
+        MIX_SLOT: a combination of adapters); slot_scale f32[R + P*Q]: each token's LoRA scale;
+        slot_mix f32[R + P*Q, max_loras]: a combination's weight of each slot (zeros elsewhere);
         prev_rows [R]: for async scheduling, the row of the previous step whose sampled token (still
         on the device) is this decode row's token, -1 = `tokens` as given;
         dec_positions [R], dec_tables [R, MB]; pre_positions [P, Q], pre_tables [P, MB];
@@ -338,6 +353,7 @@ class ModelRunner:
         c, (r, p, q) = self.config, shape
         return dict(
             tokens=np.zeros((r + p * q,), np.int32), slot_ids=np.full((r + p * q,), -1, np.int32),
+            slot_scale=np.ones((r + p * q,), np.float32), slot_mix=np.zeros((r + p * q, c.max_loras), np.float32),
             dec_positions=np.full((r,), -1, np.int32), dec_tables=np.zeros((r, c.blocks_per_seq), np.int32),
             prev_rows=np.full((r,), -1, np.int32),
             pre_positions=np.full((p, q), -1, np.int32), pre_tables=np.zeros((p, c.blocks_per_seq), np.int32),
@@ -353,7 +369,7 @@ class ModelRunner:
         for row, s in enumerate(plan.decode):
             with _blame(s):
                 batch["tokens"][row] = s.output_ids[-1]
-                batch["slot_ids"][row] = s.slot
+                fill_slots(batch, slice(row, row + 1), s)
                 batch["dec_positions"][row] = s.total_len - 1
                 batch["dec_tables"][row, : len(s.blocks)] = s.blocks
         completing = len(plan.decode)
@@ -361,7 +377,7 @@ class ModelRunner:
             at = r + i * q
             with _blame(s):
                 batch["tokens"][at: at + n] = s.all_ids[start: start + n]
-                batch["slot_ids"][at: at + n] = s.slot
+                fill_slots(batch, slice(at, at + n), s)
                 batch["pre_positions"][i, :n] = np.arange(start, start + n)
                 batch["pre_tables"][i, : len(s.blocks)] = s.blocks
                 if s.prompt_logprobs is not None:  # positions whose next prompt token has no logprob yet
@@ -414,7 +430,8 @@ class ModelRunner:
         """The step graph (shape, with LoRA) a batch runs: the one without LoRA when no row has an
         adapter and its shape has one (EngineConfig.base_graphs), else the LoRA graph."""
         shape = batch["dec_positions"].shape + batch["pre_positions"].shape
-        with_lora = bool((batch["slot_ids"] >= 0).any()) or shape not in self._base_shapes
+        ids = batch["slot_ids"]
+        with_lora = bool(((ids >= 0) | (ids == MIX_SLOT)).any()) or shape not in self._base_shapes
         # While a background warm-up compiles the base graph, the LoRA graph (always compiled before
         # its shape is scheduled) runs the step: LoRA for every row, zero for rows without an adapter.
         return shape, with_lora or (shape, False) in self._pending

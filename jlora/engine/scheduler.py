@@ -185,7 +185,7 @@ class Scheduler:
         queue still needs are evicted last.
         """
         c = self.config
-        needed = {s.lora.lora_name for s in self.waiting if s.lora is not None}
+        needed = {p.lora_name for s in self.waiting if s.lora is not None for p in s.lora.parts}
         i = 0
         while i < len(self.waiting) and len(self.running) < c.max_num_seqs:
             seq = self.waiting[i]
@@ -198,7 +198,7 @@ class Scheduler:
                 return
             if seq.lora is not None:
                 try:
-                    seq.slot = self.adapters.acquire(seq.lora_handle, protect=needed)
+                    self._acquire(seq, needed)
                 except NoFreeSlotError:
                     if c.scheduling_policy == "fcfs" or seq.num_overtaken >= c.max_overtakes:
                         return
@@ -218,6 +218,22 @@ class Scheduler:
             seq.state = SeqState.PREFILL
             self.running.append(seq)
 
+    def _acquire(self, seq: Sequence, needed: set[str]) -> None:
+        """Pin `seq`'s adapter slot, or every slot of a combination: all of them or none (a part
+        that finds no slot releases the parts already pinned; NoFreeSlotError)."""
+        if not isinstance(seq.lora_handle, tuple):
+            seq.slot = self.adapters.acquire(seq.lora_handle, protect=needed)
+            return
+        slots: list[int] = []
+        try:
+            for h in seq.lora_handle:
+                slots.append(self.adapters.acquire(h, protect=needed))
+        except NoFreeSlotError:
+            for slot in slots:
+                self.adapters.release(slot)
+            raise
+        seq.slots = tuple(slots)
+
     # ---- prefix caching ---------------------------------------------------------------------------
 
     def _cacheable(self, seq: Sequence) -> bool:
@@ -227,7 +243,7 @@ class Scheduler:
     def _hashes(self, seq: Sequence, n_blocks: int) -> list[bytes]:
         """The chain hashes of `seq`'s first `n_blocks` full blocks (extended as it grows; tokens never change)."""
         if len(seq.block_hashes) < n_blocks:
-            root = b"" if seq.block_hashes else root_hash(seq.lora_handle.version if seq.lora is not None else None)
+            root = b"" if seq.block_hashes else root_hash(seq.lora_key)
             extend_hashes(seq.block_hashes, root, seq.all_ids, self.config.block_size, n_blocks)
         return seq.block_hashes[:n_blocks]
 
@@ -320,3 +336,6 @@ class Scheduler:
         if seq.slot >= 0:
             self.adapters.release(seq.slot)
             seq.slot = -1
+        for slot in seq.slots:
+            self.adapters.release(slot)
+        seq.slots = ()

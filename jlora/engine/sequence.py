@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from jlora.adapters.manager import AdapterHandle
-from jlora.adapters.request import LoRARequest
+from jlora.adapters.request import LoRACombination, LoRARequest
 from jlora.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jlora.sampling_params import SamplingParams
 
@@ -27,11 +27,13 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
-    lora: LoRARequest | None
-    lora_handle: AdapterHandle | None = None  # the adapter version converted at add_request
+    lora: LoRARequest | LoRACombination | None
+    # The adapter version converted at add_request; a combination's: one per part, in order.
+    lora_handle: AdapterHandle | tuple[AdapterHandle, ...] | None = None
     state: SeqState = SeqState.WAITING
     blocks: list[int] = dataclasses.field(default_factory=list)  # KV cache blocks, in position order
-    slot: int = -1  # adapter slot, -1 = base model
+    slot: int = -1  # adapter slot, -1 = base model (and a combination, which holds `slots`)
+    slots: tuple[int, ...] = ()  # a combination's slots while admitted, one per part
     num_computed: int = 0  # tokens already in the KV cache
     # Prefix caching (jlora.engine.prefix_cache): the chain hashes of this sequence's full blocks
     # (computed as needed), how many of `blocks` are registered in the cache (shared or computed
@@ -50,6 +52,23 @@ class Sequence:
     # The request's prompt logprobs (one list shared by its samples; entry 0 is None), or None.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     matcher: Any = None  # llguidance matcher of the sample's grammar (structured output), or None
+
+    @property
+    def handles(self) -> tuple[AdapterHandle, ...]:
+        """The adapter versions this sequence needs in slots (none for the base model)."""
+        h = self.lora_handle
+        return () if h is None else h if isinstance(h, tuple) else (h,)
+
+    @property
+    def lora_key(self) -> tuple | None:
+        """What its KV cache entries depend on besides the tokens (the prefix cache's root): the
+        adapter version, with the scale when not 1, or each part's version and weight."""
+        if self.lora is None:
+            return None
+        if isinstance(self.lora, LoRACombination):
+            return ("mix",) + tuple(zip((h.version for h in self.handles), self.lora.slot_weights))
+        return self.lora_handle.version if self.lora.scale == 1.0 else ("scaled", self.lora_handle.version,
+                                                                        self.lora.scale)
 
     @property
     def all_ids(self) -> list[int]:
@@ -73,7 +92,7 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    lora: LoRARequest | None
+    lora: LoRARequest | LoRACombination | None
     seqs: list[Sequence]
     metrics: RequestMetrics = dataclasses.field(default_factory=lambda: RequestMetrics(time.time()))
     streamed_chars: list[int] = dataclasses.field(default_factory=list)  # per sample: characters already streamed

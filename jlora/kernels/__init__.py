@@ -8,7 +8,7 @@ every other one is tested against, `choose_impl` holds the measured crossovers (
 
 from jlora.kernels.attention import paged_attention, paged_attention_reference, validate_attention_args
 
-from jlora.kernels.common import validate_lora_args
+from jlora.kernels.common import MIX_SLOT, validate_lora_args
 from jlora.kernels.dispatch import CHOICES, IMPLS, choose_impl, lora_delta
 from jlora.kernels.gather import lora_delta_gather
 from jlora.kernels.grouped import lora_delta_grouped
@@ -19,6 +19,7 @@ from jlora.kernels.pallas_tpu import lora_delta_pallas_tpu
 
 __all__ = [
     "CHOICES",
+    "MIX_SLOT",
     "IMPLS",
     "choose_impl",
     "lora_delta",

@@ -10,6 +10,9 @@ import jax
 import jax.numpy as jnp
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# A token whose slot id is MIX_SLOT reads a weighted sum of slots, its row of `mix` f32[T, N]
+# (several adapters in one request); without `mix` it is one more id outside [0, N): no adapter.
+MIX_SLOT = -2
 
 
 def validate_lora_args(x: jax.Array, a: jax.Array, b: jax.Array, slot_ids: jax.Array,
@@ -40,6 +43,34 @@ def validate_lora_args(x: jax.Array, a: jax.Array, b: jax.Array, slot_ids: jax.A
     for name, arr in (("x", x), ("a", a), ("b", b)):
         if jnp.dtype(arr.dtype) not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {arr.dtype} (shape {arr.shape})")
+
+
+def validate_row_weights(x: jax.Array, a: jax.Array, scale: jax.Array | None, mix: jax.Array | None) -> None:
+    """Raise ValueError unless scale is f32[T] and mix is f32[T, N] (either may be None)."""
+    t, n = x.shape[0], a.shape[0]
+    for name, arr, want in (("scale", scale, (t,)), ("mix", mix, (t, n))):
+        if arr is None:
+            continue
+        if not hasattr(arr, "shape") or tuple(arr.shape) != want:
+            raise ValueError(f"{name} must be float32{list(want)} (T={t} tokens of x {tuple(x.shape)}, N={n} slots "
+                             f"of a {tuple(a.shape)}), got {getattr(arr, 'shape', type(arr).__name__)}")
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a float array (float32), got {arr.dtype}")
+
+
+def row_weights(
+    slot_ids: jax.Array,  # i32[T]
+    n: int,
+    scale: jax.Array | None,  # f32[T]: a token's delta from its own slot is multiplied by it; None = 1
+    mix: jax.Array | None,  # f32[T, N]: a MIX_SLOT token's weight of each slot; None = no MIX_SLOT tokens
+) -> jax.Array:  # f32[T, N]: how much of each slot's delta each token takes
+    """The per-token weights over slots: scale[t] at slot_ids[t] (ids in [0, N)), the row of mix
+    for MIX_SLOT tokens, zero elsewhere (padding and -1 read nothing)."""
+    keep = slot_ids[:, None] == jnp.arange(n, dtype=slot_ids.dtype)[None, :]
+    w = jnp.where(keep, jnp.float32(1) if scale is None else scale.astype(jnp.float32)[:, None], 0.0)
+    if mix is not None:
+        w = jnp.where((slot_ids == MIX_SLOT)[:, None], mix.astype(jnp.float32), w)
+    return w
 
 
 def check_splits(splits: tuple[int, ...], a: jax.Array, b: jax.Array) -> None:

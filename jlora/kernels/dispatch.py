@@ -7,7 +7,9 @@ from typing import Callable
 
 import jax
 
-from jlora.kernels.common import check_choice, validate_lora_args
+import jax.numpy as jnp
+
+from jlora.kernels.common import MIX_SLOT, check_choice, validate_lora_args, validate_row_weights
 from jlora.kernels.gather import lora_delta_gather
 from jlora.kernels.grouped import lora_delta_grouped
 from jlora.kernels.laned_dense import lora_delta_laned
@@ -82,8 +84,15 @@ def lora_delta(
     impl: str = "auto",  # "auto" | "gather" | "laned" | "grouped" | "pallas"
     interpret: bool | None = None,  # pallas only; None: interpret unless on its target
     splits: tuple[int, ...] | None = None,  # packed module: a [N, D, S*R], output widths per sub-module
+    scale: jax.Array | None = None,  # f32[T]: multiplies token t's delta (a request's LoRA scale); None = 1
+    mix: jax.Array | None = None,  # f32[T, N]: a token with slot id MIX_SLOT (-2) reads sum_n mix[t, n] * slot n
 ) -> jax.Array:  # [T, O] in x.dtype
     """Per token t with slot s = slot_ids[t]: x[t] @ a[s] @ b[s], zero where s is outside [0, N).
+
+    `scale` multiplies each token's delta; with `mix`, a token whose id is MIX_SLOT gets
+    sum_n mix[t, n] * x[t] @ a[n] @ b[n] (several adapters in one request). "laned" folds both
+    into its lane mask (one pass); the others scale x (linear, so the same product) and add the
+    MIX_SLOT tokens through a laned pass under a conditional that a batch without them skips.
 
     A packed module (`splits`, S sub-modules such as q/k/v): a [N, D, S*R] holds each
     sub-module's A side by side and b [N, R, O] each sub-module's B in its own output columns
@@ -91,9 +100,19 @@ def lora_delta(
     f32 accumulation; the shrink result is cast to b.dtype before the expand; output in x.dtype.
     """
     validate_lora_args(x, a, b, slot_ids, splits)
+    validate_row_weights(x, a, scale, mix)
     check_choice("impl", impl, CHOICES)
     if impl == "auto":  # a packed module picks as its sub-modules would (R = b's rank axis)
         impl = choose_impl(x.shape[0], x.shape[1], b.shape[2], a.shape[0], b.shape[1])
+    if impl == "laned" and (scale is not None or mix is not None):
+        return lora_delta_laned(x, a, b, slot_ids, splits=splits, scale=scale, mix=mix)
+    xs = x if scale is None else (x.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]).astype(x.dtype)
     if impl == "pallas":
-        return lora_delta_pallas(x, a, b, slot_ids, interpret=interpret, splits=splits)
-    return IMPLS[impl](x, a, b, slot_ids, splits=splits)
+        y = lora_delta_pallas(xs, a, b, slot_ids, interpret=interpret, splits=splits)
+    else:
+        y = IMPLS[impl](xs, a, b, slot_ids, splits=splits)
+    if mix is None:
+        return y
+    is_mix = slot_ids == MIX_SLOT
+    ids = jnp.where(is_mix, MIX_SLOT, -1).astype(slot_ids.dtype)
+    return jax.lax.cond(jnp.any(is_mix), lambda: y + lora_delta_laned(x, a, b, ids, splits=splits, mix=mix), lambda: y)

@@ -23,7 +23,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jlora.kernels.common import expand_splits, validate_lora_args
+from jlora.kernels.common import expand_splits, row_weights, validate_lora_args, validate_row_weights
 
 BATCHED_SHRINK_MAX_T = 64  # crossover measured in a model-shaped stream on XLA:CPU (see above)
 
@@ -37,23 +37,34 @@ def lora_delta_laned(
     *,
     splits: tuple[int, ...] | None = None,  # packed module: a [N, D, S*R], output widths per sub-module
     block_expand: bool | None = None,  # T > 64 with splits: one block-diagonal expand (None: on a TPU)
+    scale: jax.Array | None = None,  # f32[T]: multiplies each token's delta (per-request scale)
+    mix: jax.Array | None = None,  # f32[T, N]: weights over slots of MIX_SLOT tokens (adapter combinations)
 ) -> jax.Array:  # [T, O] in x.dtype
     validate_lora_args(x, a, b, slot_ids, splits)
+    validate_row_weights(x, a, scale, mix)
     t, n = x.shape[0], a.shape[0]
     slots = jnp.arange(n, dtype=slot_ids.dtype)
     # An id outside [0, N) (-1, padding) matches no slot: its mask row is all zeros, so it never
-    # reads a real slot.
+    # reads a real slot. With scale or mix the mask carries weights (a multiply instead of a select:
+    # the same cost), so scaled rows and combinations share the one dense pass.
+    weights = None if scale is None and mix is None else row_weights(slot_ids, n, scale, mix)  # [T, N]
     if t <= BATCHED_SHRINK_MAX_T:
         xb = jnp.broadcast_to(x[None], (n, *x.shape))  # [N, T, D]
         h = jax.lax.dot_general(xb, a, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-        keep = slot_ids[None, :] == slots[:, None]  # [N, T]
-        h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)  # [N, T, R] (S*R lanes when packed)
+        if weights is None:
+            keep = slot_ids[None, :] == slots[:, None]  # [N, T]
+            h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)  # [N, T, R] (S*R lanes when packed)
+        else:
+            h = (h * weights.T[:, :, None]).astype(b.dtype)
         y = expand_splits(h, b, splits, lambda h, b: jnp.einsum("ntr,nro->to", h, b,
                                                                 preferred_element_type=jnp.float32))
     else:
         h = jnp.einsum("td,ndr->tnr", x, a, preferred_element_type=jnp.float32)  # [T, N, R]
-        keep = slot_ids[:, None] == slots[None, :]  # [T, N]
-        h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)
+        if weights is None:
+            keep = slot_ids[:, None] == slots[None, :]  # [T, N]
+            h = jnp.where(keep[:, :, None], h, 0.0).astype(b.dtype)
+        else:
+            h = (h * weights[:, :, None]).astype(b.dtype)
         if block_expand is None:
             block_expand = jax.default_backend() == "tpu"
         if splits is not None and block_expand:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jlora.kernels import lora_delta
+from jlora.kernels import MIX_SLOT, lora_delta
 from jlora.kernels.attention import causal_attention, paged_attention
 from jlora.kernels.paged_attention_tpu import paged_attention_tpu
 from jlora.models import quant
@@ -137,6 +137,8 @@ def lora_linear(
     enabled: jax.Array | None = None,  # bool scalar: False skips the LoRA term (no token has an adapter)
     layer: jax.Array | None = None,  # i32 scalar: which layer of stacked [L, N, ...] slots to use
     splits: tuple[int, ...] | None = None,  # packed module: out widths of its sub-modules (A is [.., in, S*R])
+    scale: jax.Array | None = None,  # f32[T]: multiplies each token's LoRA delta (per-request scale)
+    mix: jax.Array | None = None,  # f32[T, N]: slot weights of MIX_SLOT tokens (adapter combinations)
 ) -> jax.Array:  # [T, out]
     weight = kernel if callable(kernel) else lambda: kernel
     if lora is None:
@@ -156,9 +158,11 @@ def lora_linear(
                 b = jax.lax.dynamic_index_in_dim(b, layer, 0, keepdims=False)
             n = a.shape[0]
             ids = slot_ids if len(pools) == 1 else jnp.where(
-                (slot_ids >= first) & (slot_ids < first + n), slot_ids - first, -1)
+                (slot_ids >= first) & (slot_ids < first + n), slot_ids - first,
+                jnp.where(slot_ids == MIX_SLOT, MIX_SLOT, -1))
             a, b = quant.widen(a), quant.widen(b)  # bf16 slots travel as bits on XLA:CPU
-            out = out + lora_delta(x, a, b, ids, impl=lora_impl, splits=splits).astype(y.dtype)
+            m = None if mix is None else mix[:, first:first + n]  # this pool's columns
+            out = out + lora_delta(x, a, b, ids, impl=lora_impl, splits=splits, scale=scale, mix=m).astype(y.dtype)
             first += n
         return out
 
@@ -272,6 +276,8 @@ class Llama(nnx.Module):
         attn_chunk: int = 128,
         attn_impl: str = "xla",  # "xla" or "pallas" (resolved by the caller; jlora.engine.config.ATTN_IMPLS)
         lora_skip: bool = True,  # False: LoRA for every token, no conditionals (see `_decoder`)
+        slot_scale: jax.Array | None = None,  # f32[T]: each token's LoRA scale (None = 1)
+        slot_mix: jax.Array | None = None,  # f32[T, N]: slot weights of tokens whose slot id is MIX_SLOT
     ) -> tuple[jax.Array, KVCache]:  # hidden states [T, D] before the final norm, new cache
         """The serving step's forward: keys and values go to the paged cache, attention reads it."""
         if attn_impl not in ("xla", "pallas"):
@@ -322,7 +328,7 @@ class Llama(nnx.Module):
 
         x = quant.embed(quant.weight(self, "embed_tokens"), tokens)
         x, (ck, cv) = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend,
-                                    quant.to_bits((cache["k"], cache["v"])), lora_skip)
+                                    quant.to_bits((cache["k"], cache["v"])), lora_skip, slot_scale, slot_mix)
         return x, {"k": quant.like(ck, cache["k"]), "v": quant.like(cv, cache["v"])}
 
     def train_logits(
@@ -356,7 +362,8 @@ class Llama(nnx.Module):
         x, _ = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend, ())
         return self.logits(x).reshape(bsz, t, -1)
 
-    def _decoder(self, x, positions, slot_ids, lora_state, lora_impl, attend, state, lora_skip=True):
+    def _decoder(self, x, positions, slot_ids, lora_state, lora_impl, attend, state, lora_skip=True,
+                 slot_scale=None, slot_mix=None):
         """The decoder stack over x [T, D] as one scan over the layers. `attend(q, k, v, layer,
         window, state) -> (attention [T, H*Dh], state)` is the one part the serving step (paged
         KV cache) and the training forward (dense causal) do differently. `lora_skip`: a batch
@@ -369,7 +376,7 @@ class Llama(nnx.Module):
 
         # A batch with no adapter token skips the LoRA math (and reading the slots) in every layer;
         # None (lora_skip=False): no conditional.
-        any_lora = jnp.any(slot_ids >= 0) if lora_skip else None
+        any_lora = jnp.any((slot_ids >= 0) | (slot_ids == MIX_SLOT)) if lora_skip else None
 
         # The stacked slots are a loop constant, not a scanned input: scanning them would slice (and on
         # XLA:CPU copy) every layer's [N, in, R] block each step, also when no token uses an adapter.
@@ -406,7 +413,7 @@ class Llama(nnx.Module):
             def linear(h: jax.Array, name: str) -> jax.Array:
                 kernel = (lambda: layer_weight(weights[name], i)) if name in in_branch else w[name]
                 return lora_linear(h, kernel, get(name), slot_ids, lora_impl, enabled=any_lora, layer=i,
-                                   splits=splits[name])
+                                   splits=splits[name], scale=slot_scale, mix=slot_mix)
 
             y = rms_norm(x, w["input_layernorm"], eps)
             qkv = linear(y, "qkv_proj")
