@@ -230,3 +230,57 @@ def test_combinations_and_scales_churn_slots_without_compiles(llm, tiny_adapters
     assert llm.engine.adapters.stats["slot_writes"] - writes > 8  # the slots churned
     assert together == alone
     assert all(llm.engine.adapters.pins(s) == 0 for s in range(4))  # every pin released
+
+
+# ---- the server's fields -------------------------------------------------------------------------
+
+
+def test_server_lora_scale_and_lora_combine(llm, tiny_adapters):
+    from live import KEY, serve_live
+
+    from jlora.server.app import build_app
+
+    app = build_app(llm, "tiny", lora_modules={f"s{i}": str(tiny_adapters[i]) for i in range(6)}, api_key=KEY)
+    with serve_live(llm, app) as live:
+        srv, http = live.srv, live.http()
+        body = {"model": "s1", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+                "logprobs": 0, "return_tokens_as_token_ids": True}
+
+        def tokens(resp):
+            assert resp.status_code == 200, resp.text
+            return [int(t.split(":")[1]) for t in resp.json()["choices"][0]["logprobs"]["tokens"]]
+
+        def offline(lora):
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            return live.on_engine(lambda: llm.generate([PROMPTS[0]], params, lora, use_tqdm=False))[0]
+
+        scaled = tokens(http.post("/v1/completions", json={**body, "lora_scale": -1.5}))
+        assert scaled == offline(LoRARequest("s1", srv.adapters["s1"].lora_int_id, srv.adapters["s1"].lora_path,
+                                             scale=-1.5)).outputs[0].token_ids
+        assert scaled != tokens(http.post("/v1/completions", json=body))
+        combined = tokens(http.post("/v1/completions", json={**body, "model": "tiny",
+                                                              "lora_combine": {"s1": 0.7, "s2": 0.5}}))
+        assert combined == offline(LoRARequest.combine(srv.adapters["s1"], srv.adapters["s2"],
+                                                       weights=(0.7, 0.5))).outputs[0].token_ids
+        chat = http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "lora_combine": {"s3": 1.0, "s1": -0.5}})
+        assert chat.status_code == 200, chat.text
+
+        def refused(extra, param, match):
+            resp = http.post("/v1/completions", json={**body, **extra})
+            assert resp.status_code == 400, resp.text
+            err = resp.json()["error"]
+            assert err["param"] == param and re.search(match, err["message"]), err
+
+        import re
+        refused({"lora_scale": 11}, "lora_scale", "less than or equal to 10")
+        refused({"lora_scale": "big"}, "lora_scale", "valid number|float")
+        refused({"lora_scale": 0.5, "model": "tiny"}, "lora_scale", "is the base model")
+        refused({"lora_combine": {"s1": 1.0}}, "lora_combine", "model must be the base model")
+        refused({"model": "tiny", "lora_combine": {}}, "lora_combine", "at least 1")
+        refused({"model": "tiny", "lora_combine": {"s1": 1.0, "nope": 1.0}}, "lora_combine", r"not loaded: \['nope'\]")
+        refused({"model": "tiny", "lora_combine": {"s1": 1.0, "s2": -20}}, "lora_combine.s2", "greater than or equal to -10")
+        refused({"model": "tiny", "lora_combine": {f"s{i}": 1.0 for i in range(5)}}, "lora_combine",
+                "max_loras=4")
+        assert tokens(http.post("/v1/completions", json={**body, "lora_scale": -1.5})) == scaled  # still serving

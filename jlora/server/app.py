@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import contextlib
 import hmac
 import itertools
@@ -29,7 +30,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jlora.adapters.peft import JLORA_ADAPTER_META, SAFETENSORS_FILE
-from jlora.adapters.request import LoRARequest
+from jlora.adapters.request import LoRACombination, LoRARequest
 from jlora.server.engine_thread import EngineThread
 from jlora.server.openai_requests import (
     Generation, check_text_size, chat_prompt, check_lengths, completion_prompts, sampling_params,
@@ -183,12 +184,41 @@ class OpenAIServer:
 
     # ---- generation -----------------------------------------------------------------------------------
 
+    def lora_of(self, req: CompletionRequest | ChatCompletionRequest) -> LoRARequest | LoRACombination | None:
+        """The adapter(s) a request uses: `model`, scaled by `lora_scale`, or the `lora_combine` adapters."""
+        lora = self.lora_for(req.model)
+        if req.lora_combine is not None:
+            if lora is not None or req.lora_scale is not None:
+                raise APIError(400, f"lora_combine names the adapters and their weights: model must be the base "
+                                    f"model {self.model_id!r} and lora_scale unset (got model={req.model!r}, "
+                                    f"lora_scale={req.lora_scale!r})", param="lora_combine")
+            unknown = [n for n in req.lora_combine if n not in self.adapters]
+            if unknown:
+                raise APIError(400, f"lora_combine names adapters that are not loaded: {unknown}; loaded: "
+                                    f"{sorted(self.adapters)}", param="lora_combine")
+            slots = self.llm.config.max_loras
+            if len(req.lora_combine) > slots:
+                raise APIError(400, f"lora_combine has {len(req.lora_combine)} adapters; the server has "
+                                    f"max_loras={slots} slots and a combination needs all its adapters in slots "
+                                    f"at once", param="lora_combine")
+            try:
+                return LoRARequest.combine(*(self.adapters[n] for n in req.lora_combine),
+                                           weights=tuple(req.lora_combine.values()))
+            except ValueError as e:
+                raise APIError(400, str(e), param="lora_combine") from e
+        if req.lora_scale is not None:
+            if lora is None:
+                raise APIError(400, f"lora_scale scales an adapter, but model={req.model!r} is the base model",
+                               param="lora_scale")
+            return dataclasses.replace(lora, scale=req.lora_scale)
+        return lora
+
     async def complete(self, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         received = time.time()
         chat = isinstance(req, ChatCompletionRequest)
         if req.model is None:  # as vLLM: no model means the base model, and the reply names it
             req.model = self.model_id
-        lora = self.lora_for(req.model)
+        lora = self.lora_of(req)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         seqs = self._check_work(req, chat)  # before anything is templated or tokenized

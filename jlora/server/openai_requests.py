@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any, AsyncIterator
 
-from jlora.adapters.request import LoRARequest
+from jlora.adapters.request import LoRACombination, LoRARequest
 from jlora.engine.structured import GrammarCompiler
 from jlora.sampling_params import SamplingParams, StructuredOutputsParams
 from jlora.engine.llm_engine import QueueFullError
@@ -198,7 +198,8 @@ class Generation:
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         self.received = received  # time.time() when the HTTP request arrived
 
-    async def start(self, prompts: list[Prompt], params: SamplingParams, lora: LoRARequest | None) -> None:
+    async def start(self, prompts: list[Prompt], params: SamplingParams,
+                    lora: LoRARequest | LoRACombination | None) -> None:
         loop = asyncio.get_running_loop()
 
         def callback(u: Update) -> None:  # runs on the engine thread
@@ -206,11 +207,15 @@ class Generation:
 
         handle = None
         if lora is not None:  # converted off the engine thread, so running requests never wait for it
+            combo = isinstance(lora, LoRACombination)
             try:
-                handle = await asyncio.wrap_future(self.engine.engine.adapters.prepare_async(lora))
+                futures = [self.engine.engine.adapters.prepare_async(p) for p in lora.parts]
+                handles = tuple([await asyncio.wrap_future(f) for f in futures])
             except (ValueError, FileNotFoundError, OSError) as e:  # nothing was queued
                 self.pending.clear()
-                raise APIError(400, f"could not load adapter {lora.lora_name!r}: {e}", param="model") from e
+                raise APIError(400, f"could not load adapter {lora.lora_name!r}: {e}",
+                               param="lora_combine" if combo else "model") from e
+            handle = handles if combo else handles[0]
         try:
             await asyncio.wrap_future(self.engine.submit(self.request_ids, prompts, params, lora, callback,
                                                          self.received, handle))

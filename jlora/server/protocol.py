@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from jlora.adapters.request import MAX_LORA_SCALE
 from jlora.chat_templates import ROLES
 from jlora.sampling_params import (
     BOUNDS, INT32_MAX, MAX_BANNED, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, OPEN_LOW,
@@ -63,6 +64,9 @@ StopField = Text | Annotated[list[Annotated[Text, Field(min_length=1, max_length
                              Field(max_length=MAX_STOP_STRINGS)]
 
 
+LoRAWeight = Annotated[float, Field(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)]
+
+
 class _SamplingFields(_Body):
     model: Text | None = None  # None: the base model (as vLLM does)
     max_tokens: _bounded("max_tokens", True) | None = None
@@ -93,6 +97,11 @@ class _SamplingFields(_Body):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    # jlora's LoRA fields (extra_body; docs/engine.md): `lora_scale` multiplies the delta of the adapter
+    # `model` names, for this request only; `lora_combine` ({adapter name: weight}, `model` = the base
+    # model) uses several loaded adapters at once, their deltas weighted (peft's "cat" combination).
+    lora_scale: LoRAWeight | None = None
+    lora_combine: Annotated[dict[Text, LoRAWeight], Field(min_length=1, max_length=64)] | None = None
 
 
 class CompletionRequest(_SamplingFields):
