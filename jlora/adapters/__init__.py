@@ -5,7 +5,7 @@ and the host cache (`manager`), the on-disk cache of converted adapters (`disk_c
 so `from jlora import LoRARequest` stays light.
 """
 
-from jlora.adapters.request import LoRARequest
+from jlora.adapters.request import LoRACombination, LoRARequest
 
 _LAZY = {
     "AdapterManager": "manager", "NoFreeSlotError": "manager", "padded_update": "manager", "set_slot": "manager",
@@ -15,7 +15,7 @@ _LAZY = {
     "read_adapter": "peft", "read_peft_adapter": "peft", "save_adapter": "peft",
 }
 
-__all__ = ["LoRARequest", *_LAZY]
+__all__ = ["LoRACombination", "LoRARequest", *_LAZY]
 
 
 def __getattr__(name: str):
