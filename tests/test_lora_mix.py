@@ -284,3 +284,21 @@ def test_server_lora_scale_and_lora_combine(llm, tiny_adapters):
         refused({"model": "tiny", "lora_combine": {f"s{i}": 1.0 for i in range(5)}}, "lora_combine",
                 "max_loras=4")
         assert tokens(http.post("/v1/completions", json={**body, "lora_scale": -1.5})) == scaled  # still serving
+
+
+@pytest.mark.slow
+def test_scales_and_combinations_across_slot_pools_of_several_ranks(llm, tiny_dir, tiny_adapters):
+    """With slots of ranks 4/4/8/8 (two pools) a combination's parts sit in different pools; each
+    pool reads its own columns of the slot weights. Tokens equal those of uniform slots."""
+    pooled = LLM(str(tiny_dir[0]), progress=False, **{**ENGINE, "lora_slot_ranks": (4, 4, 8, 8)})
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    a = {i: LoRARequest(f"p{i}", 80 + i, str(tiny_adapters[i])) for i in (0, 1, 2, 3)}  # ranks 2, 4, 6, 8
+    reqs = [LoRARequest.combine(a[0], a[2], weights=(0.6, -0.8)), LoRARequest("p3", 83, str(tiny_adapters[3]), scale=0.3),
+            None, LoRARequest.combine(a[1], a[3], a[0], weights=(1.2, 0.4, 0.9)), a[2]]
+    want = llm.generate(PROMPTS[:5], greedy, reqs)
+    got = pooled.generate(PROMPTS[:5], greedy, reqs)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        np.testing.assert_allclose([lp[t] for t, lp in zip(g.outputs[0].token_ids, g.outputs[0].logprobs)],
+                                   [lp[t] for t, lp in zip(w.outputs[0].token_ids, w.outputs[0].logprobs)], atol=1e-5)
+    pooled.close()
