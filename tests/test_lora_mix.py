@@ -302,3 +302,21 @@ def test_scales_and_combinations_across_slot_pools_of_several_ranks(llm, tiny_di
         np.testing.assert_allclose([lp[t] for t, lp in zip(g.outputs[0].token_ids, g.outputs[0].logprobs)],
                                    [lp[t] for t, lp in zip(w.outputs[0].token_ids, w.outputs[0].logprobs)], atol=1e-5)
     pooled.close()
+
+
+def test_new_scales_and_mixes_do_not_recompile():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((8, 16), np.float32))
+    a = jnp.asarray(rng.standard_normal((4, 16, 4), np.float32))
+    b = jnp.asarray(rng.standard_normal((4, 4, 16), np.float32))
+    for impl in ("gather", "laned", "grouped"):
+        def call(ids, scale, mix):
+            return lora_delta(x, a, b, jnp.asarray(ids, jnp.int32), impl=impl, scale=jnp.asarray(scale, jnp.float32),
+                              mix=jnp.asarray(mix, jnp.float32)).block_until_ready()
+        call([0] * 8, np.ones(8), np.zeros((8, 4)))
+        before = compile_stats.compile_count()
+        for _ in range(3):
+            call(rng.choice([-1, 0, 1, 2, 3, MIX_SLOT], 8), rng.uniform(-2, 2, 8), rng.uniform(-1, 1, (8, 4)))
+        call([MIX_SLOT] * 8, np.zeros(8), np.ones((8, 4)))
+        call([-1] * 8, np.ones(8), np.zeros((8, 4)))
+        assert compile_stats.compile_count() == before, impl
