@@ -320,3 +320,17 @@ def test_new_scales_and_mixes_do_not_recompile():
         call([MIX_SLOT] * 8, np.zeros(8), np.ones((8, 4)))
         call([-1] * 8, np.ones(8), np.zeros((8, 4)))
         assert compile_stats.compile_count() == before, impl
+
+
+def test_prefix_cache_is_never_shared_across_scales_or_combinations(llm, tiny_adapters):
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompt = " ".join(f"w{i}" for i in range(40))  # several full blocks of 16
+    a, b = (LoRARequest(f"k{i}", 90 + i, str(tiny_adapters[i])) for i in (5, 6))
+
+    def cached(lora) -> int:
+        return llm.generate([prompt], greedy, lora)[0].num_cached_tokens
+
+    variants = [a, LoRARequest("k5", 95, str(tiny_adapters[5]), scale=0.5), LoRARequest.combine(a, b),
+                LoRARequest.combine(a, b, weights=(1.0, 0.5)), LoRARequest.combine(b, a)]
+    assert [cached(v) for v in variants] == [0] * 5  # each its own KV: nothing found under another's key
+    assert all(cached(v) >= 32 for v in variants)  # and its own blocks are found again
