@@ -408,7 +408,7 @@ def paged_attention_tpu(
     # Each row: its query head's vector at its KV head's lanes of the tile, zeros elsewhere. Built
     # from [rows, Dh] slabs and lane concatenations: a 7-D einsum with an identity here made
     # XLA:TPU tile its (heads, Dh) minor axes and re-lay them out, ~200 us a layer at a
-    # 1,024-token prefill (more than the kernel itself; docs/tpu.md).
+    # 1,024-token prefill (more than the kernel itself; 2026-12-06).
     rows_q = (q.astype(jnp.float32) / math.sqrt(dh)).astype(cdt).reshape(bsz, nq, nt, hpt * g, dh)
     rows_q = rows_q.transpose(0, 2, 1, 3, 4).reshape(bsz, nt, nq * rq, dh)  # rows (query, head, group)
     head = (jnp.arange(nq * rq, dtype=jnp.int32) // g % hpt)[:, None]  # each row's head within its tile
