@@ -166,7 +166,7 @@ class LLM(Closable):
         # The engine's and the tokenizer's modules (transformers among them) are imported in a thread
         # while this one waits for the runtime and then streams the weights in: on a v5e host the
         # runtime's start holds the GIL 4-5 s of its 7-8 s, and the weights' load is mostly copies and
-        # transfers, which leave it free (docs/tpu.md, tenth pass).
+        # transfers, which leave it free (docs/tpu.md, "Where a warm start goes").
         engine_imports = import_in_background(_ENGINE_MODULES)
         t_imports = time.perf_counter()
         runtime_wait = backend_started()
@@ -202,7 +202,7 @@ class LLM(Closable):
             store = open_executable_store(executable_cache, device_groups[0], model_cfg, dtype, self.quantization,
                                           self.config)
         # Read beside the weights' transfer on a TPU; on XLA:CPU a deserialization beside other
-        # XLA work has crashed the process (docs/tpu.md, eighth pass), so there it waits its turn.
+        # XLA work has crashed the process (2026-12-06), so there it waits its turn.
         if store is not None and warmup != "lazy" and jax.default_backend() == "tpu":
             store.prefetch(executables.graph_name(g) for g in
                            (self.config.first_graphs() if warmup == "background" else self.config.step_graphs()))
@@ -539,7 +539,7 @@ def start_backend() -> Callable[[], float]:
     (A smaller TPU_PREMAPPED_BUFFER_SIZE, the host buffer libtpu pins at its start, starts the
     runtime in 2.3-3.7 s instead of 5.4-8 s on a v5e host, but it is not set here: with 1-2 GiB the
     background warm-up's executable loads then took 34-37 s instead of 13-14 s and held a first
-    request 17-21 s; docs/tpu.md, ninth pass.)"""
+    request 17-21 s; docs/tpu.md, "Caches".)"""
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():

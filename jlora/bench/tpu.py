@@ -1643,7 +1643,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    type=lambda s: [None if v == "off" else float(v) for v in s.split(",")],
                    help="engine: run the workloads once per scheduler prefill policy, e.g. off,0.05 "
                         "(jlora.engine.scheduler.PREFILL_SLACK; default: the engine's, once)")
-    p.add_argument("--attn-chunk", type=int, default=None, help="default: the engine's (128 XLA, 512 Pallas)")
+    p.add_argument("--attn-chunk", type=int, default=None, help="default: the engine's (128 XLA; Pallas: default_chunk, 1,024 or 512 for rows over 1 KB)")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--block-size", type=int, default=None, help="KV positions per block (default: LLM()'s on a TPU, "
                                                                 "a sixteenth of --max-model-len, 16-128)")

@@ -56,8 +56,9 @@ class EngineConfig:
     block_size: int = 16  # KV cache positions per block
     num_kv_blocks: int | None = None  # KV capacity; None = max_num_seqs full-length sequences
     token_buckets: tuple[int, ...] | None = None  # prefill chunk lengths; None = 32, 128, ... (x4) up to the chunk
-    # Key positions attention reads per loop iteration; None = 128 for the XLA loop, 512 for the
-    # Pallas kernel (a v5e chip, 64 rows at 1K context: 552 us at 128, 356 us at 512; docs/tpu.md).
+    # Key positions attention reads per loop iteration; None = 128 for the XLA loop, and for the
+    # Pallas kernel `paged_attention_tpu.default_chunk`: 1,024 where a chunk's K and V buffers fit
+    # 4 MiB of VMEM (rows of 1 KB or less, as at the 1B shape), else 512 (docs/tpu.md).
     attn_chunk: int | None = None
     attn_impl: str = "auto"  # ATTN_IMPLS
     # Plan and launch step n+1 before step n's tokens reach the host (vLLM's --async-scheduling);
@@ -81,7 +82,7 @@ class EngineConfig:
     # for every row of its LoRA graph (rows without an adapter read zeros); one without skips the
     # LoRA math of an adapter-free step with conditionals, which on a v5e chip cost more than the
     # math (a one-row layer pass: 2.80 ms without slots, 4.42 with them and no adapter token, 3.19
-    # computing LoRA for every row; docs/tpu.md, fifth pass). Outputs do not change.
+    # computing LoRA for every row; v5e, 2026-12-06). Outputs do not change.
     base_graphs: str = "none"
 
     def __post_init__(self) -> None:

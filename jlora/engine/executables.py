@@ -2,7 +2,7 @@
 
 JAX's persistent compile cache skips XLA's compile but not the Python tracing and lowering that
 compute its key: on a v5e host 3.7 s of a 17.9 s warm start for the two graphs `LLM()` waits for
-(docs/tpu.md, eighth pass). This store keeps each compiled step graph
+(v5e, 2026-12-06). This store keeps each compiled step graph
 (`jax.experimental.serialize_executable`) under a key of everything its trace depends on, so a
 later start of the same engine loads it without tracing it:
 

@@ -16,7 +16,7 @@ waiting for its first copy). A page is [bs, KVH*Dh], one contiguous run of HBM, 
 once; a full chunk is waited for once for K and once for V (semaphores count bytes), a partial
 one page by page. Block tables, chunk ranges and page counts are scalar-prefetched into SMEM.
 Page size matters more than anything else here: on a v5e chip, 64 rows x 1,024 positions read at
-45% of HBM with 16-position pages and 61-72% with 32-256 (docs/tpu.md, third pass), which is why
+45% of HBM with 16-position pages and 61-72% with 32-256 (2026-12-06), which is why
 the engine's TPU default block size is a sixteenth of max_model_len. (Copying whole
 chunks instead read 512 positions for a 40-token sequence: on a v5e chip, 238 us of attention
 per layer for 64 such rows, 40% of a decode step's roofline -> 52% once only reached pages move.)
@@ -45,7 +45,7 @@ than the empty rest it skips.
 decode program walks several sequences one after the other, each as a program would, so the
 grid's per-program cost (its q and output blocks' copies, the pipeline's steps) is paid once for
 several short sequences. At short contexts a program per sequence costs ~1.1-2.3 us (64 x 160-256
-positions, sixth pass) against ~0.3-0.6 us of DMA.
+positions, v5e, 2026-12-06) against ~0.3-0.6 us of DMA.
 
 `paged_attention_tpu(..., interpret=True)` runs on the CPU (tests/test_attention_tpu.py holds it
 against the reference); `jax.export` lowers it for platforms=["tpu"] without the chip.
@@ -85,7 +85,7 @@ SMALL_PROGRAM_ROWS = 64
 # Positions a prefill program (more rows) computes a step where its chunk is partial, as decode
 # programs do; 0 or None (the default): whole chunks. An experiment, read at trace time (`jlora
 # bench tpu --attn-prefill-step`): 128-position steps took a 1,024-token prefill step from 46% to
-# 43% of a v5e's MXU (the rescaling outweighed the causal half they skip; docs/tpu.md, eighth pass).
+# 43% of a v5e's MXU (the rescaling outweighed the causal half they skip; 2026-12-06).
 PREFILL_STEP: int | None = None
 # A prefill program's partial chunk (the last its queries reach: a causal prompt's early query blocks
 # see a few pages of it) is computed as one block of the smallest multiple of this many positions
@@ -93,7 +93,7 @@ PREFILL_STEP: int | None = None
 # branch a size, no rescaling between steps (what made PREFILL_STEP lose). 0 or None: whole chunks.
 # Read at trace time (`jlora bench tpu --attn-prefill-round`, kernel variants `+roundN`). On a v5e
 # chip a 1,024-token prompt from position 0 took 278 us whole, 253-255 us with 128 or 256
-# (docs/tpu.md, eleventh pass).
+# (docs/tpu.md, "The attention kernel alone").
 PREFILL_ROUND: int | None = 128
 
 
@@ -102,7 +102,7 @@ def default_chunk(kd: int, itemsize: int) -> int:
     K and V double buffers (`vmem_estimate` without query rows) take at most 4 MiB of VMEM (a
     [bs, KVH*Dh] row of 1 KB or less, as at the 1B shape), else 512 (the 8B's 2 KB rows, whose
     prefill blocks need the room). On a v5e chip 1,024 took the 1B seed workload's decode step
-    from 9.93 to 9.33 ms (docs/tpu.md)."""
+    from 9.93 to 9.33 ms (2026-12-06)."""
     return 1024 if vmem_estimate(0, 1024, kd, itemsize) <= 4 * 2**20 else 512
 
 
@@ -408,7 +408,7 @@ def paged_attention_tpu(
     # Each row: its query head's vector at its KV head's lanes of the tile, zeros elsewhere. Built
     # from [rows, Dh] slabs and lane concatenations: a 7-D einsum with an identity here made
     # XLA:TPU tile its (heads, Dh) minor axes and re-lay them out, ~200 us a layer at a
-    # 1,024-token prefill (more than the kernel itself; docs/tpu.md).
+    # 1,024-token prefill (more than the kernel itself; 2026-12-06).
     rows_q = (q.astype(jnp.float32) / math.sqrt(dh)).astype(cdt).reshape(bsz, nq, nt, hpt * g, dh)
     rows_q = rows_q.transpose(0, 2, 1, 3, 4).reshape(bsz, nt, nq * rq, dh)  # rows (query, head, group)
     head = (jnp.arange(nq * rq, dtype=jnp.int32) // g % hpt)[:, None]  # each row's head within its tile

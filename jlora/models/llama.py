@@ -100,7 +100,7 @@ class RMSNorm(nnx.Module):
 # Where lora_linear slices a layer's slots out of the stacked [L, ...] arrays: "inside" the
 # conditional (a step without adapter tokens never reads them) or "before" it. On a v5e chip the
 # one-row step graph prefetched the whole stacked gate_up A into VMEM every layer with "inside"
-# (37.6 us a layer, 0.6 ms of a 4.9 ms step; docs/tpu.md, fourth pass); "before" reads one
+# (37.6 us a layer, 0.6 ms of a 4.9 ms step; 2026-12-06); "before" reads one
 # layer's slots a layer, adapters or not. Which is faster is for the chip to say
 # (`jlora bench tpu --lora-slices`); read at trace time.
 LORA_SLICES = "inside"
@@ -108,11 +108,11 @@ LORA_SLICES = "inside"
 # base projection before it and passes it through the branch without adapters; "inside" computes
 # the base projection inside both branches, so no [T, out] array passes through. XLA:TPU copies a
 # conditional's pass-through operand into its output buffer (the sampler's logits cost 0.26 ms a
-# step so; docs/tpu.md, sixth pass). With "inside" each branch slices the layer's weight from the
+# step so; 2026-12-06). With "inside" each branch slices the layer's weight from the
 # stacked [L, ...] weights itself: a slice made outside is passed into the conditional whole, and
 # XLA:TPU then writes it out (a copy of gate_up's 67 MB a layer in a compile for v5e). On a v5e chip
 # "inside" made 1,024-token prefill steps 47% / 44% of the MXU without / with 4 adapters against
-# 46% / 41% (docs/tpu.md, seventh pass). None: "inside" on a TPU, "pass" elsewhere (XLA:CPU was not
+# 46% / 41% (2026-12-06). None: "inside" on a TPU, "pass" elsewhere (XLA:CPU was not
 # measured with it). `jlora bench tpu --lora-cond` sets it; read at trace time.
 LORA_COND: str | None = None
 
