@@ -20,6 +20,7 @@ from jlora.engine import executables
 from jlora.engine_args import ENGINE_DEFAULTS, engine_config
 from jlora.outputs import RequestOutput
 from jlora.sampling import SamplingParams
+from jlora.tuning import TuningOptions
 
 # The engine, the model loader and the tokenizer (Flax, transformers: 2-5 s on a TPU host) are
 # imported inside LLM(), while the TPU runtime starts in a thread (`start_backend`).
@@ -104,6 +105,10 @@ class LLM(Closable):
     compilation_cache_dir puts the XLA compile cache (only) elsewhere; use_compilation_cache=False
     turns it off.
 
+    tuning: the engine's performance switches (`jlora.tuning.TuningOptions`: how the LoRA
+    conditionals and the attention kernel's programs are built, how prefill shapes are chosen);
+    None is the measured defaults. Outputs do not depend on it.
+
     `close()` (or leaving `with LLM(...) as llm:`) stops a background warm-up and frees the device
     memory (weights, KV cache, LoRA slots), the compiled graphs and the engine's threads at once;
     using the LLM afterwards raises RuntimeError. A dropped LLM frees the same without it.
@@ -148,6 +153,7 @@ class LLM(Closable):
         adapter_cache: bool | str | os.PathLike = True,
         executable_cache: bool | str | os.PathLike | None = None,
         progress: bool = True,
+        tuning: TuningOptions | None = None,
     ):
         t0 = time.perf_counter()
         backend_started = start_backend()  # the TPU runtime's start overlaps the imports below
@@ -183,7 +189,8 @@ class LLM(Closable):
             base_graphs=base_graphs, scheduling_policy=scheduling_policy,
             decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
             max_overtakes=max_overtakes, max_n=max_n, max_waiting_seqs=max_waiting_seqs,
-            num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching, backend=jax.default_backend())
+            num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching, backend=jax.default_backend(),
+            tuning=TuningOptions() if tuning is None else tuning)
         path = resolve_model_path(model)  # a missing model path fails here, before anything is read
         self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
         device_groups = parallel_devices(path, tensor_parallel_size, data_parallel_size)

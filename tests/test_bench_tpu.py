@@ -201,33 +201,20 @@ def test_layer_stack_bench_times_every_lora_variant():
     assert all(r["us"] > 0 for r in rows) and {r["lora_cond"] for r in rows} == {"pass"}
 
 
-def test_model_switches_reach_the_model(monkeypatch):
-    """`--lora-slices` / `--lora-cond` / `--attn-seqs-per-program` set the trace-time switches; bad values
-    are refused."""
-    from jlora.models import llama
+def test_tuning_flags_make_the_engines_options():
+    """`--lora-slices` / `--lora-cond` / `--attn-*` become the engine's TuningOptions (passed to LLM(),
+    no module global set); "auto" keeps the library's default; bad values are refused."""
+    from jlora.tuning import AttentionOptions, TuningOptions
 
-    from jlora.kernels import paged_attention_tpu as kernel
-
-    monkeypatch.setattr(llama, "LORA_SLICES", "inside")
-    monkeypatch.setattr(llama, "LORA_COND", "pass")
-    monkeypatch.setattr(kernel, "SEQS_PER_PROGRAM", 1)
-    monkeypatch.setattr(kernel, "PREFILL_STEP", None)
-    monkeypatch.setattr(kernel, "PREFILL_ROUND", kernel.PREFILL_ROUND)
-    monkeypatch.setattr(kernel, "MAX_BLOCK_ROWS", kernel.MAX_BLOCK_ROWS)
-    default_round = kernel.PREFILL_ROUND or 0
-    tpu.apply_model_switches(tpu.parse_args(["--lora-slices", "before", "--lora-cond", "inside",
+    got = tpu.tuning_options(tpu.parse_args(["--lora-slices", "before", "--lora-cond", "inside",
                                              "--attn-seqs-per-program", "8", "--attn-prefill-step", "128",
                                              "--attn-prefill-round", "384", "--attn-block-rows", "128"]))
-    assert (llama.LORA_SLICES, llama.LORA_COND, kernel.SEQS_PER_PROGRAM) == ("before", "inside", 8)
-    assert kernel.PREFILL_STEP == 128 and tpu.resolved_prefill_step() == 128
-    assert kernel.PREFILL_ROUND == 384 and tpu.resolved_prefill_round() == 384
-    assert kernel.MAX_BLOCK_ROWS == 128
-    tpu.apply_model_switches(tpu.parse_args([]))  # the defaults: LORA_COND resolved per backend
-    assert (llama.LORA_SLICES, llama.LORA_COND, kernel.SEQS_PER_PROGRAM) == ("inside", None, 1)
-    assert kernel.PREFILL_STEP is None and tpu.resolved_prefill_step() == 0  # whole chunks
-    assert tpu.resolved_prefill_round() == default_round  # "auto": the source's value
-    assert kernel.MAX_BLOCK_ROWS == 512
-    assert llama.lora_cond() == "pass" and tpu.resolved_lora_cond() == "pass"  # (XLA:CPU)
+    assert got == TuningOptions(lora_slices="before", lora_cond="inside", attention=AttentionOptions(
+        seqs_per_program=8, prefill_step=128, prefill_round=384, max_block_rows=128))
+    assert tpu.tuning_options(tpu.parse_args([])) == TuningOptions()
+    assert tpu.tuning_options(tpu.parse_args(["--attn-prefill-round", "0"])).attention.prefill_round == 0
+    with pytest.raises(SystemExit, match="max_block_rows"):
+        tpu.tuning_options(tpu.parse_args(["--attn-block-rows", "0"]))
     with pytest.raises(SystemExit):
         tpu.parse_args(["--lora-cond", "outside"])
     with pytest.raises(SystemExit):

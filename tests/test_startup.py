@@ -425,19 +425,26 @@ def test_stored_executables_skip_tracing_and_give_the_same_tokens(tiny_dir, tiny
             != LLM(path, **kw, **{**SMALL, "max_num_seqs": 3}).executable_store.key)
 
 
-def test_executable_fingerprint_covers_switches_and_configs(tiny_dir, monkeypatch):
+def test_executable_fingerprint_covers_tuning_version_sources_and_configs(tiny_dir, monkeypatch):
+    import jlora
     from jlora.engine import executables
     from jlora.llm import open_executable_store
-    from jlora.models import llama
+    from jlora.tuning import TuningOptions
 
     devices = jax.devices()[:1]
     cfg = engine_config(**SMALL)
     key = executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
     assert key == executables.fingerprint(devices, "model=a", f"engine={cfg!r}")  # stable
     assert key != executables.fingerprint(devices, "model=b", f"engine={cfg!r}")
-    monkeypatch.setattr(llama, "LORA_COND", "pass")  # a bench's trace-time switch
-    assert "jlora.models.llama.LORA_COND='pass'" in executables.module_switches()
-    assert key != executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
+    # Each tuning option is part of the engine config's key, a kernel option too.
+    for tuning in (TuningOptions(lora_cond="pass"), TuningOptions(lora_slices="before"),
+                   TuningOptions(prefill_slack=None), TuningOptions().replace(prefill_round=256)):
+        other = engine_config(**SMALL, tuning=tuning)
+        assert key != executables.fingerprint(devices, "model=a", f"engine={other!r}"), tuning
+    assert key == executables.fingerprint(devices, "model=a", f"engine={engine_config(**SMALL, tuning=TuningOptions())!r}")
+    with monkeypatch.context() as m:
+        m.setattr(jlora, "__version__", "9.9.9")  # another release
+        assert key != executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
     monkeypatch.undo()
     assert key == executables.fingerprint(devices, "model=a", f"engine={cfg!r}")

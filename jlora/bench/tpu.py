@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import gc
 import glob
@@ -283,7 +284,7 @@ def parse_kernel_variants(spec: str) -> list[tuple[int, int, dict[str, Any]]]:
     a compute step, `sub_block`; +subCHUNK computes whole chunks, as before the steps), +seqsN
     (N decode sequences a program, `seqs_per_program`), +roundN (a prefill program's partial
     chunk as one block rounded up to N positions, `prefill_round`; +round0: whole chunks),
-    +rowsN (at most N query rows a program, `max_rows`) and +regions (the kernel's named trace
+    +rowsN (at most N query rows a program, `max_block_rows`) and +regions (the kernel's named trace
     regions, for `--kernel-profile`)."""
     out = []
     for item in filter(None, spec.split(",")):
@@ -303,7 +304,7 @@ def parse_kernel_variants(spec: str) -> list[tuple[int, int, dict[str, Any]]]:
                 elif f.startswith("round"):
                     opts["prefill_round"] = int(f[5:])
                 elif f.startswith("rows"):
-                    opts["max_rows"] = int(f[4:])
+                    opts["max_block_rows"] = int(f[4:])
                 elif f == "regions":
                     opts["trace_regions"] = True
                 else:
@@ -340,7 +341,7 @@ def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: in
                  kernel_opts: dict[str, Any] | None = None, profile: bool = False) -> list[dict]:
     """Each implementation repeated `reps` times inside one jit (its output feeds the next query, so
     nothing is hoisted); KV bytes a call must read / its time = GB/s. Also its error against the
-    reference on the first call. `kernel_opts`: `paged_attention_tpu`'s experiment knobs.
+    reference on the first call. `kernel_opts`: fields of the kernel's `AttentionOptions`.
     `profile`: one more timed loop under `jax.profiler`, its device ops (the kernel apart from the
     query and output re-layouts around it) printed and kept as the row's `profile`."""
     import jax
@@ -348,6 +349,7 @@ def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: in
 
     from jlora.kernels.attention import paged_attention, paged_attention_reference
     from jlora.kernels.paged_attention_tpu import paged_attention_tpu
+    from jlora.tuning import AttentionOptions
 
     h, kvh, dh, L = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], 4
     mb = -(-context // block_size)
@@ -361,7 +363,8 @@ def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: in
     pos = jnp.broadcast_to(jnp.arange(context - nq, context, dtype=jnp.int32), (rows, nq))
     layer = jnp.int32(2)
     opts = dict(kernel_opts or {})
-    fns = {"pallas": lambda q_: paged_attention_tpu(q_, ck, cv, layer, pos, tables, chunk=chunk, **opts),
+    options = AttentionOptions(**opts)
+    fns = {"pallas": lambda q_: paged_attention_tpu(q_, ck, cv, layer, pos, tables, chunk=chunk, options=options),
            "xla": lambda q_: paged_attention(q_, ck, cv, layer, pos, tables, chunk=chunk)}
     want = paged_attention_reference(q, ck, cv, layer, pos, tables)
     kv_bytes = rows * context * kvh * dh * 2 * 2  # K and V, bf16
@@ -408,13 +411,14 @@ def bench_kernel(cfg: dict[str, Any], rows: int, context: int, nq: int, reps: in
 def bench_layers(cfg: dict[str, Any], tokens: tuple[int, ...] = (1, 64, 1088), reps: int = 10, rank: int = 16,
                  max_loras: int = 4, dtype: str = "bfloat16", out: list | None = None,
                  on_row: Callable[[], None] | None = None, profile: tuple[tuple[int, str, str], ...] = (),
-                 trace_out: Path | None = None) -> list[dict]:
+                 trace_out: Path | None = None, tuning: Any = None) -> list[dict]:
     """The decoder's layer stack alone (the model's own `_decoder`, attention replaced by its query),
     `reps` passes in one jit, at each token count: without LoRA slots (a base graph), with them and
     no adapter token ("off"), and 4 mixed adapters, LoRA skipped by conditionals when no token has an
     adapter or computed for all (`lora_skip`: with a base graph beside it, EngineConfig.base_graphs).
     What LoRA adds to the projections and which variant costs least, without an engine's compile per
-    variant. `profile`: (tokens, "off"|"mixed", "skip"|"all") cases whose passes are traced; the top device
+    variant, built with `tuning` (a `TuningOptions`; None: the defaults). `profile`: (tokens,
+    "off"|"mixed", "skip"|"all") cases whose passes are traced; the top device
     ops go to `trace_out`/layers-profile-*.txt and stdout."""
     import jax
     import jax.numpy as jnp
@@ -422,7 +426,9 @@ def bench_layers(cfg: dict[str, Any], tokens: tuple[int, ...] = (1, 64, 1088), r
 
     from jlora.models import llama
     from jlora.models.config import LlamaConfig
+    from jlora.tuning import TuningOptions
 
+    tuning = TuningOptions() if tuning is None else tuning
     c = LlamaConfig.from_hf_dict({**cfg, "max_position_embeddings": 4096})
     model = llama.Llama(c, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
@@ -451,7 +457,8 @@ def bench_layers(cfg: dict[str, Any], tokens: tuple[int, ...] = (1, 64, 1088), r
                 m = nnx.merge(graphdef, state)
 
                 def body(_, xc):
-                    y, _ = m._decoder(xc, positions, ids, lora, "auto", attend, (), lora_skip=cond != "all")
+                    y, _ = m._decoder(xc, positions, ids, lora, "auto", attend, (), lora_skip=cond != "all",
+                                      tuning=tuning)
                     return (xc + 1e-3 * y).astype(xc.dtype)
                 return jax.lax.fori_loop(0, reps, body, x)
 
@@ -459,7 +466,7 @@ def bench_layers(cfg: dict[str, Any], tokens: tuple[int, ...] = (1, 64, 1088), r
             t0 = time.perf_counter()
             run(state, lora, ids, x0).block_until_ready()
             us = (time.perf_counter() - t0) / reps * 1e6
-            row = dict(tokens=t, lora=what, cond=cond, lora_cond=resolved_lora_cond(),
+            row = dict(tokens=t, lora=what, cond=cond, lora_cond=tuning.resolved_lora_cond(jax.default_backend()),
                        us=us,
                        matmul_fraction_of_hbm=matmul_bytes / (us * 1e-6) / HBM_BYTES_PER_S,
                        matmul_fraction_of_mxu=2 * _matmul_params(c) * t / (us * 1e-6) / MXU_FLOPS)
@@ -802,58 +809,23 @@ def engine_sizes(args: argparse.Namespace) -> dict[str, Any]:
                 token_buckets=tuple(buckets), decode_row_buckets=tuple(rows), plan=plan)
 
 
-def apply_model_switches(args: argparse.Namespace) -> None:
-    """The model's trace-time experiment switches (`--lora-slices`, `--lora-cond`,
-    `--attn-seqs-per-program`), for the engine and layers sections."""
-    import importlib
+def tuning_options(args: argparse.Namespace) -> Any:
+    """The engine's `TuningOptions` from the flags (`--lora-slices`, `--lora-cond`, `--attn-*`), for
+    the engine, warm and layers sections; "auto" keeps the library's default."""
+    from jlora.tuning import TuningOptions
 
-    for module_name, flag, name, default in (("jlora.models.llama", "lora_slices", "LORA_SLICES", "inside"),
-                                             ("jlora.models.llama", "lora_cond", "LORA_COND", "auto"),
-                                             ("jlora.kernels.paged_attention_tpu", "attn_seqs_per_program",
-                                              "SEQS_PER_PROGRAM", 1),
-                                             ("jlora.kernels.paged_attention_tpu", "attn_prefill_step",
-                                              "PREFILL_STEP", "auto"),
-                                             ("jlora.kernels.paged_attention_tpu", "attn_prefill_round",
-                                              "PREFILL_ROUND", "auto"),
-                                             ("jlora.kernels.paged_attention_tpu", "attn_block_rows",
-                                              "MAX_BLOCK_ROWS", "auto")):
-        if getattr(args, flag) == default and module_name not in sys.modules:
-            continue  # its default, and not imported yet: the warm section's LLM() imports it, timed
-        module = importlib.import_module(module_name)
-        if hasattr(module, name):  # (an older jlora has no choice)
-            value = getattr(args, flag)
-            if value == "auto":  # the value the source gives it
-                from jlora.engine.executables import switch_defaults
-
-                value = switch_defaults().get(module_name, {}).get(name)
-            setattr(module, name, value)
-        elif getattr(args, flag) != default:
-            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: this jlora has no {name}")
-
-
-def resolved_lora_cond() -> str:
-    """The LoRA conditional's form the model traces with here (an older jlora: "pass")."""
-    from jlora.models import llama
-
-    return llama.lora_cond() if hasattr(llama, "lora_cond") else getattr(llama, "LORA_COND", "pass")
-
-
-def _kernel_positions(name: str) -> int | None:
-    """A positions switch of the attention kernel as traced (0: off, whole chunks; None: an older
-    jlora without it)."""
-    from jlora.kernels import paged_attention_tpu as kernel
-
-    return getattr(kernel, name) or 0 if hasattr(kernel, name) else None
-
-
-def resolved_prefill_step() -> int | None:
-    """Positions a prefill program of the kernel computes a step (0: whole chunks)."""
-    return _kernel_positions("PREFILL_STEP")
-
-
-def resolved_prefill_round() -> int | None:
-    """Positions a prefill program's partial chunk is rounded up to (0: whole chunks)."""
-    return _kernel_positions("PREFILL_ROUND")
+    base = TuningOptions()
+    changes: dict[str, Any] = dict(lora_slices=args.lora_slices,
+                                   lora_cond=None if args.lora_cond == "auto" else args.lora_cond,
+                                   seqs_per_program=args.attn_seqs_per_program)
+    for flag, field in (("attn_prefill_step", "prefill_step"), ("attn_prefill_round", "prefill_round"),
+                        ("attn_block_rows", "max_block_rows")):
+        if getattr(args, flag) != "auto":
+            changes[field] = getattr(args, flag)
+    try:
+        return base.replace(**changes)
+    except ValueError as e:
+        raise SystemExit(f"jlora bench tpu: {e}")
 
 
 def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_impl: str | None = None) -> Any:
@@ -869,7 +841,6 @@ def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_i
         extra["attn_chunk"] = args.attn_chunk
     if sizes.get("num_kv_blocks"):
         extra["num_kv_blocks"] = sizes["num_kv_blocks"]
-    apply_model_switches(args)
     if args.base_graphs is not None:
         extra["base_graphs"] = args.base_graphs
     if args.warmup != "auto":
@@ -880,7 +851,7 @@ def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_i
                max_num_seqs=sizes["max_num_seqs"], max_num_batched_tokens=sizes["max_num_batched_tokens"],
                token_buckets=sizes["token_buckets"], decode_row_buckets=sizes["decode_row_buckets"], max_loras=4,
                max_lora_rank=args.rank, lora_impl=args.lora_impl, block_size=args.block_size,
-               weights_cache=str(weights_cache_dir(args)), progress=False, **extra)
+               weights_cache=str(weights_cache_dir(args)), progress=False, tuning=tuning_options(args), **extra)
 
 
 def ready_then_all(llm: Any, t0: float) -> dict[str, Any]:
@@ -980,10 +951,9 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                weights_cache_hit=getattr(llm, "weights_cache_hit", None),
                attn_impl=getattr(runner, "attn_impl", "xla (before)"),
                async_default=getattr(llm.engine, "_async", None), attn_chunk=getattr(runner, "attn_chunk", None),
-               lora_impl=args.lora_impl, lora_slices=args.lora_slices, lora_cond=resolved_lora_cond(),
-               attn_seqs_per_program=args.attn_seqs_per_program, attn_prefill_step=resolved_prefill_step(),
-               attn_prefill_round=resolved_prefill_round(),
-               attn_block_rows=getattr(sys.modules.get("jlora.kernels.paged_attention_tpu"), "MAX_BLOCK_ROWS", None),
+               lora_impl=args.lora_impl, tuning=dataclasses.asdict(llm.config.tuning),
+               lora_slices=llm.config.tuning.lora_slices,
+               lora_cond=llm.config.tuning.resolved_lora_cond(jax.default_backend()),
                base_graphs=getattr(llm.config, "base_graphs", None), max_num_seqs=n,
                block_size=llm.config.block_size,
                num_kv_blocks=llm.config.num_kv_blocks,
@@ -1037,15 +1007,11 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     rows = res.setdefault("workloads", [])
     names = args.workloads or DEFAULT_WORKLOADS.get(args.shape, "")
     picked = set(names.split(",")) if names else None
-    from jlora.engine import scheduler
-
     first_row = len(rows)
-    for slack, round_ in [(s, r) for s in args.prefill_slack or [getattr(scheduler, "PREFILL_SLACK", None)]
+    for slack, round_ in [(s, r) for s in args.prefill_slack or [llm.config.tuning.prefill_slack]
                           for r in range(args.repeats)]:
         if args.prefill_slack:  # several scheduler policies on one engine: the same graphs
-            if not hasattr(scheduler, "PREFILL_SLACK"):
-                raise SystemExit("--prefill-slack: this jlora's scheduler has one prefill policy")
-            scheduler.PREFILL_SLACK = slack
+            llm.engine.scheduler.prefill_slack = slack
         for i, (name, count, plen, new, k) in enumerate(WORKLOADS):
             if picked is not None and str(i) not in picked:
                 continue
@@ -1612,7 +1578,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attn-impl", default="auto")
     p.add_argument("--lora-slices", default="inside", choices=["inside", "before"],
                    help="engine: where a layer's LoRA slots are sliced, inside the conditional or before it "
-                        "(jlora.models.llama.LORA_SLICES; an experiment)")
+                        "(TuningOptions.lora_slices; an experiment)")
     p.add_argument("--sample-stacks", action="store_true",
                    help="warm: sample every thread's stack every 10 ms through the start (jlora.bench.stack_sampler); "
                         "late samples are the GIL held elsewhere. Written to warm_stacks_<shape>_<quantization>.json under --out")
@@ -1623,7 +1589,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="LLM(warmup=...) for engine and warm (auto: LLM()'s default, background on a TPU)")
     p.add_argument("--lora-cond", default="auto", choices=["auto", "pass", "inside"],
                    help="engine and layers: the base projection before the LoRA conditional (pass) or inside its "
-                        "branches (jlora.models.llama.LORA_COND; auto: inside on a TPU, pass elsewhere)")
+                        "branches (TuningOptions.lora_cond; auto: inside on a TPU, pass elsewhere)")
     p.add_argument("--attn-prefill-step", default="auto", type=lambda v: v if v == "auto" else int(v),
                    help="positions a prefill program of the kernel computes a step where its chunk is partial "
                         "(0: whole chunks; auto: the kernel's default), for the engine and layers sections")
@@ -1632,17 +1598,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "of this (one block, no steps; 0: whole chunks; auto: the kernel's default), for the engine "
                         "and layers sections")
     p.add_argument("--attn-block-rows", default="auto", type=lambda v: v if v == "auto" else int(v),
-                   help="query rows a program of the kernel takes at most (MAX_BLOCK_ROWS; auto: the kernel's "
+                   help="query rows a program of the kernel takes at most (AttentionOptions.max_block_rows; auto: the kernel's "
                         "default), for the engine and layers sections")
     p.add_argument("--attn-seqs-per-program", type=int, default=1,
                    help="engine: decode sequences a program of the Pallas attention kernel walks "
-                        "(jlora.kernels.paged_attention_tpu.SEQS_PER_PROGRAM; an experiment)")
+                        "(AttentionOptions.seqs_per_program; an experiment)")
     p.add_argument("--base-graphs", default=None, choices=["none", "decode", "all"],
                    help="engine: step shapes that also get a graph without LoRA (default: the engine's)")
     p.add_argument("--prefill-slack", default=None,
                    type=lambda s: [None if v == "off" else float(v) for v in s.split(",")],
                    help="engine: run the workloads once per scheduler prefill policy, e.g. off,0.05 "
-                        "(jlora.engine.scheduler.PREFILL_SLACK; default: the engine's, once)")
+                        "(TuningOptions.prefill_slack; default: the engine's, once)")
     p.add_argument("--attn-chunk", type=int, default=None, help="default: the engine's (128 XLA, 512 Pallas)")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--block-size", type=int, default=None, help="KV positions per block (default: LLM()'s on a TPU, "
@@ -1748,9 +1714,8 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         measured: list[dict[str, Any]] = []
         results.setdefault("layers", {})[args.shape] = measured
         profile = () if args.quick else ((1, "off", "skip"), (1088, "mixed", "all"))
-        apply_model_switches(args)
         bench_layers(SHAPES[args.shape], rank=args.rank, dtype=args.dtype, out=measured,
-                     on_row=lambda: _save(out, results), profile=profile, trace_out=out)
+                     on_row=lambda: _save(out, results), profile=profile, trace_out=out, tuning=tuning_options(args))
         _save(out, results)
     elif section == "check":
         check_section(args, out, results)

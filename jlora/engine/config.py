@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jlora.sampling_params import DEFAULT_MAX_N
+from jlora.tuning import TuningOptions
 
 
 def geometric_buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
@@ -83,8 +84,13 @@ class EngineConfig:
     # math (a one-row layer pass: 2.80 ms without slots, 4.42 with them and no adapter token, 3.19
     # computing LoRA for every row; docs/tpu.md, fifth pass). Outputs do not change.
     base_graphs: str = "none"
+    # How the step graphs are built and prefill shapes chosen (jlora.tuning): performance only,
+    # outputs do not change. Part of the stored executables' key.
+    tuning: TuningOptions = TuningOptions()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tuning, TuningOptions):
+            raise ValueError(f"EngineConfig.tuning must be a jlora.tuning.TuningOptions, got {self.tuning!r}")
         if self.max_cpu_loras is None and isinstance(self.max_loras, int):
             object.__setattr__(self, "max_cpu_loras", default_max_cpu_loras(self.max_loras))
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_loras",

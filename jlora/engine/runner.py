@@ -196,7 +196,7 @@ def resolve_attn_impl(impl: str, tp_size: int, kv_dtype: Any) -> str:
 
 
 def step_graph(weights, lora_state, cache, ints, floats, history, allowed, prev_tokens, *, layout, lora_impl,
-               attn_chunk, attn_impl, lora_skip=True, graphdef, weights_def, out_layouts, max_num_seqs):
+               attn_chunk, attn_impl, lora_skip=True, graphdef, weights_def, out_layouts, max_num_seqs, tuning):
     """One step (ModelRunner's `_step` jits it, the keyword arguments after `lora_skip` bound): the
     model over the packed batch, the sampler, and the outputs packed for one transfer. Records how
     the host unpacks them in `out_layouts` at trace time."""
@@ -214,7 +214,7 @@ def step_graph(weights, lora_state, cache, ints, floats, history, allowed, prev_
         groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"], runs=True))
     hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
                                   lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl,
-                                  lora_skip=lora_skip)
+                                  lora_skip=lora_skip, tuning=tuning)
     logits = model.logits(hidden[batch["sample_index"]])
     out = sample(logits, batch["sampling"])
     if batch["pre_positions"].shape[0]:
@@ -265,7 +265,8 @@ class ModelRunner:
         # jitted function holds no reference back to the runner, so a dropped engine frees its device
         # arrays and executables at once instead of at the cyclic collector's next full pass.
         self._step = jax.jit(functools.partial(step_graph, graphdef=self.graphdef, weights_def=self._weights_def,
-                                               out_layouts=self._out_layouts, max_num_seqs=config.max_num_seqs),
+                                               out_layouts=self._out_layouts, max_num_seqs=config.max_num_seqs,
+                                               tuning=config.tuning),
                              static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl", "lora_skip"),
                              donate_argnames=("cache",), **(shardings or {}))
         # ((R, P, Q), with LoRA) -> compiled step (EngineConfig.step_graphs)
@@ -459,6 +460,15 @@ class ModelRunner:
         return args, dict(layout=layout, lora_impl=self.config.lora_impl, attn_chunk=self.attn_chunk,
                           attn_impl=self.attn_impl, lora_skip=shape not in self._base_shapes)
 
+    def lower(self, key: tuple[tuple[int, int, int], bool]) -> Any:
+        """The step graph `key` traced and lowered (a `jax.stages.Lowered`: `.as_text()` is its
+        StableHLO), as warm-up compiles it, with this engine's config and tuning options."""
+        args, static = self.step_inputs(key)
+        # Abstract arguments: a background warm-up lowers while steps donate the cache it would
+        # otherwise hold (and the shapes and shardings are all a lowering reads).
+        with jax.default_matmul_precision(self.matmul_precision):
+            return self._step.lower(*jax.tree.map(_abstract, args), **static)
+
     def _compile(self, keys: list[tuple[tuple[int, int, int], bool]], progress: bool = False,
                  stage: str = "step", stop: threading.Event | None = None) -> None:
         """Trace and lower each graph ((shape, with LoRA): Python, one at a time), then compile them on
@@ -479,11 +489,7 @@ class ModelRunner:
         for key in keys:
             if stop is not None and stop.is_set():
                 return
-            args, static = self.step_inputs(key)
-            # Abstract arguments: a background warm-up lowers while steps donate the cache it would
-            # otherwise hold (and the shapes and shardings are all a lowering reads).
-            with jax.default_matmul_precision(self.matmul_precision):
-                lowered[key] = self._step.lower(*jax.tree.map(_abstract, args), **static)
+            lowered[key] = self.lower(key)
         t1 = time.perf_counter()
 
         def build(key: tuple[tuple[int, int, int], bool]) -> None:
