@@ -107,7 +107,7 @@ class LLM(Closable):
 
     tuning: the engine's performance switches (`jlora.tuning.TuningOptions`: how the LoRA
     conditionals and the attention kernel's programs are built, how prefill shapes are chosen);
-    None is the measured defaults. Outputs do not depend on it.
+    the default (or None) is the measured defaults. Outputs do not depend on it.
 
     `close()` (or leaving `with LLM(...) as llm:`) stops a background warm-up and frees the device
     memory (weights, KV cache, LoRA slots), the compiled graphs and the engine's threads at once;
@@ -153,7 +153,7 @@ class LLM(Closable):
         adapter_cache: bool | str | os.PathLike = True,
         executable_cache: bool | str | os.PathLike | None = None,
         progress: bool = True,
-        tuning: TuningOptions | None = None,
+        tuning: TuningOptions | None = ENGINE_DEFAULTS["tuning"],
     ):
         t0 = time.perf_counter()
         backend_started = start_backend()  # the TPU runtime's start overlaps the imports below
