@@ -372,7 +372,7 @@ def test_experiment_knobs_reach_mosaic():
 def test_kernel_variant_specs_parse_and_bad_ones_are_named():
     import argparse
 
-    from jlora.bench.tpu import parse_kernel_variants
+    from jlora.bench.tpu.micro import parse_kernel_variants
 
     assert parse_kernel_variants("16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8,128x1024+round256") == [
         (16, 256, {}), (128, 1024, {"bounds_checks": False, "vmem_limit": 64 * 2**20}),
@@ -380,7 +380,8 @@ def test_kernel_variant_specs_parse_and_bad_ones_are_named():
     assert parse_kernel_variants("128x1024+rows128+regions") == [(128, 1024, {"max_block_rows": 128,
                                                                                  "trace_regions": True})]
     assert parse_kernel_variants("") == []
-    from jlora.bench.tpu import KERNEL_VARIANT_CASES, parse_args, parse_kernel_cases
+    from jlora.bench.tpu.cli import parse_args
+    from jlora.bench.tpu.micro import KERNEL_VARIANT_CASES, parse_kernel_cases
 
     assert parse_kernel_cases("1x1024x1024,64x256x1") == ((1, 1024, 1024), (64, 256, 1))
     assert parse_args([]).kernel_cases == KERNEL_VARIANT_CASES

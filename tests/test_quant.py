@@ -368,7 +368,7 @@ def test_quantized_serving_step_lowers_for_tpu(tmp_path, monkeypatch, quantizati
     through Mosaic); W8A8 multiplies int8 x int8 -> int32 in every projection and the lm head, W8A16
     never does; the LoRA delta stays bf16. Shapes: the 8B's head_dim 128 and its 4:1 heads."""
     from jlora import LLM
-    from jlora.bench import tpu
+    from jlora.bench.tpu import shapes as tpu
     from jlora.engine.runner import pack_batch
     from jlora.models import llama
 

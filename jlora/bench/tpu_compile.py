@@ -118,7 +118,7 @@ def build_llm(shape: str, ckpt_dir: Path, lora_cond: str = "auto", **engine: Any
     """LLM() on a random checkpoint of `shape`, built as on a TPU (the bench's TPU engine sizes),
     without warm-up: nothing is compiled for the CPU."""
     from jlora import LLM
-    from jlora.bench.tpu import SHAPES, write_checkpoint
+    from jlora.bench.tpu.shapes import SHAPES, write_checkpoint
     from jlora.tuning import TuningOptions
 
     if not (ckpt_dir / "config.json").exists():
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from jlora.bench.tpu import SHAPES
+    from jlora.bench.tpu.shapes import SHAPES
 
     device = compile_only_device(args.topology)
     shape = args.shape

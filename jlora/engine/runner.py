@@ -292,6 +292,8 @@ class ModelRunner:
         # the graphs taken from it instead of compiled.
         self.executable_store: ExecutableStore | None = None
         self.loaded_graphs: set[tuple[tuple[int, int, int], bool]] = set()
+        # StepListeners told of each launch and collect (LLMEngine.add_step_listener shares its list).
+        self.listeners: list[Any] = []
 
     def _place(self, path: tuple[Any, ...], w: Any) -> jax.Array:
         """One weight on the mesh: in the shard-major column order and sharded by its name
@@ -323,6 +325,17 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return sum(x.nbytes for x in self.cache.values())
+
+    @property
+    def weights(self) -> tuple[jax.Array, ...]:
+        """The model's device arrays as the step graphs take them (int8 ones with their scales)."""
+        return tuple(self._weights)
+
+    @property
+    def compiled_graphs(self) -> dict[tuple[tuple[int, int, int], bool], Any]:
+        """((R, P, Q), with LoRA) -> its compiled step (`jax.stages.Compiled`: `as_text()`,
+        `memory_analysis()`), for the graphs compiled or loaded so far."""
+        return dict(self._executables)
 
     def empty_batch(self, shape: tuple[int, int, int]) -> dict[str, Any]:
         """Host arrays for one step with every row and token padding; the scheduler fills them in.
@@ -394,6 +407,7 @@ class ModelRunner:
         sampler's history and grammar mask only when some row uses them, else a resident default)
         and the outputs come back in one (`collect`): on a TPU host each transfer costs latency,
         and the ~24 arrays of a step, sent one by one, cost more than the device's decode step."""
+        t0 = time.perf_counter() if self.listeners else 0.0
         key = self.graph_of(batch)
         shape = key[0]
         sampling = dict(batch["sampling"])
@@ -409,7 +423,13 @@ class ModelRunner:
         self.graph_runs[key] += 1
         packed, tokens, self.cache = self._executables[key](self._weights, self.lora.state if key[1] else None,
                                                             self.cache, *dev)
-        return StepHandle(shape, packed, tokens)
+        handle = StepHandle(shape, packed, tokens)
+        if self.listeners:
+            seconds = time.perf_counter() - t0
+            for listener in self.listeners:
+                listener.phase("launch", seconds)
+                listener.launched(batch, handle, prev, t0)
+        return handle
 
     def graph_of(self, batch: dict[str, Any]) -> tuple[tuple[int, int, int], bool]:
         """The step graph (shape, with LoRA) a batch runs: the one without LoRA when no row has an
@@ -427,7 +447,18 @@ class ModelRunner:
 
     def collect(self, handle: StepHandle) -> dict[str, np.ndarray]:
         """Waits for a launched step; its outputs on the host, in one transfer."""
-        return unpack_outputs(fetch(handle.packed), self._out_layouts[handle.shape])
+        if not self.listeners:
+            return unpack_outputs(fetch(handle.packed), self._out_layouts[handle.shape])
+        t0 = time.perf_counter()
+        handle.packed.block_until_ready()
+        t1 = time.perf_counter()
+        out = unpack_outputs(fetch(handle.packed), self._out_layouts[handle.shape])
+        t2 = time.perf_counter()
+        for listener in self.listeners:
+            listener.phase("wait_device", t1 - t0)
+            listener.phase("read_outputs", t2 - t1)
+            listener.collected(handle, t0, t2)
+        return out
 
     def _defaults(self, rows: int, history_len: int, mask_words: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Device-resident "nothing" inputs: a history of -1 (no penalties), an all-allowed grammar
