@@ -2,8 +2,9 @@
 
     shape_bytes(cfg, 2, "int8")                              weights, LoRA slots, one token's K and V
     kv_plan(cfg, "int8", 2048, 128, 4, 16, hbm_bytes=...)    sequences the KV cache can hold
+    size_kv_cache(config, model_cfg, devices, dtype)         LLM(kv_cache_memory_fraction=...)
 
-Arithmetic on a Hugging Face config dict only (no JAX, no device): `jlora bench tpu` sizes its
+`shape_bytes` and `kv_plan` are arithmetic on a Hugging Face config dict (no JAX, no device): `jlora bench tpu` sizes its
 engines with it (`--max-num-seqs auto`) from the chip's `memory_stats()`, and it says what a shape
 needs before any weight is read. On a v5e chip (15.75 GiB) with int8 weights, the Llama-3.1-8B
 shape holds 22 sequences of 2,048 positions after 2 GB of headroom (docs/tpu.md).
@@ -11,7 +12,7 @@ shape holds 22 sequences of 2,048 positions after 2 GB of headroom (docs/tpu.md)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 # (in features, sub-modules, out features) of each packed projection (jlora.models.llama).
 def _packed(cfg: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
@@ -63,3 +64,64 @@ def kv_plan(cfg: dict[str, Any], quantization: str, max_model_len: int, block_si
                          f"{b['lora_slots'] / 1e9:.2f} GB, headroom {headroom / 1e9:.2f} GB, {per_seq / 1e9:.3f} GB per sequence")
     return dict(max_num_seqs=int(n), num_kv_blocks=int(n * blocks_per_seq), kv_bytes=int(n * per_seq),
                 hbm_bytes=int(hbm_bytes), in_use=int(in_use), headroom=int(headroom), **b)
+
+
+def device_memory(device: Any) -> dict[str, int]:
+    """A device's allocator stats (`bytes_limit`, `bytes_in_use`, ...); {} where the backend keeps
+    none (XLA:CPU)."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 (a backend without memory stats)
+        stats = {}
+    return {k: int(v) for k, v in stats.items() if isinstance(v, (int, float))}
+
+
+def fit_kv_blocks(bytes_limit: int, in_use: int, fraction: float, slot_bytes: int, block_bytes: int,
+                  min_blocks: int) -> int:
+    """KV blocks that fit `fraction` of a device's `bytes_limit` beside what is `in_use` (the
+    weights, placed) and the LoRA slots still to come; what the fraction leaves is for the steps'
+    temporaries. ValueError when fewer than `min_blocks` (one full-length sequence) fit."""
+    free = int(bytes_limit * fraction) - in_use - slot_bytes
+    blocks = max(0, free) // block_bytes
+    if blocks < min_blocks:
+        raise ValueError(f"kv_cache_memory_fraction={fraction}: {max(0, free) / 1e9:.2f} GB left for the KV cache "
+                         f"({bytes_limit / 1e9:.2f} GB x {fraction} - {in_use / 1e9:.2f} GB in use - {slot_bytes / 1e9:.2f} "
+                         f"GB of LoRA slots) holds {blocks} blocks of {block_bytes} bytes; one max_model_len sequence "
+                         f"needs {min_blocks}: raise the fraction, or lower max_model_len")
+    return int(blocks)
+
+
+def size_kv_cache(config: Any, model_cfg: Any, devices: Sequence[Any], kv_dtype: Any) -> tuple[Any, dict[str, Any]]:
+    """`config` with `num_kv_blocks` sized to `config.kv_cache_memory_fraction` of the device's memory
+    (the weights already on it), and what was chosen; `config` unchanged where the backend reports
+    no memory limit (XLA:CPU: max_num_seqs full-length sequences, as without the option)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jlora.engine.runner import resolve_attn_impl
+    from jlora.kernels.paged_attention_tpu import cache_lanes
+    from jlora.models import quant
+    from jlora.models.llama import init_lora_state
+
+    fraction = config.kv_cache_memory_fraction
+    if len(devices) != 1:
+        raise ValueError(f"kv_cache_memory_fraction sizes one device's KV cache; with {len(devices)} devices "
+                         "(tensor or data parallel) give num_kv_blocks")
+    mem = device_memory(devices[0])
+    if "bytes_limit" not in mem:
+        return config, dict(fraction=fraction, sized=False, num_kv_blocks=config.num_kv_blocks,
+                            reason="the backend reports no memory limit: max_num_seqs full-length sequences")
+    kvh, dh = model_cfg.num_key_value_heads, model_cfg.head_dim
+    lanes = cache_lanes(kvh, dh) if resolve_attn_impl(config.attn_impl, 1, kv_dtype) == "pallas" else kvh * dh
+    itemsize = jnp.dtype(quant.storage_dtype(kv_dtype)).itemsize
+    block_bytes = 2 * model_cfg.num_hidden_layers * config.block_size * lanes * itemsize  # K and V, every layer
+    slots = jax.eval_shape(lambda: init_lora_state(model_cfg, config.max_loras, config.max_lora_rank, kv_dtype))
+    slot_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slots))
+    blocks = fit_kv_blocks(mem["bytes_limit"], mem.get("bytes_in_use", 0), fraction, slot_bytes, block_bytes,
+                           config.blocks_per_seq)
+    plan = dict(fraction=fraction, sized=True, bytes_limit=mem["bytes_limit"], in_use=mem.get("bytes_in_use", 0),
+                lora_slots=slot_bytes, block_bytes=block_bytes, num_kv_blocks=blocks, kv_bytes=blocks * block_bytes,
+                full_length_sequences=blocks // config.blocks_per_seq)
+    return dataclasses.replace(config, num_kv_blocks=blocks), plan
