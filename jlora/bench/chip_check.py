@@ -329,12 +329,7 @@ def run_peft_batch(llm: Any, loras: Sequence[Any]) -> list[list[int]]:
 
 
 # Fresh-draw random checkpoints (N(0, 0.02), jlora.models.random_checkpoint) of bench shapes.
-RANDOM_MODELS: dict[str, dict[str, Any]] = {  # config.json fields; the bench's vocabulary (jlora.bench.tpu.SHAPES)
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True),
-}
+RANDOM_MODELS: dict[str, str] = {"1b": "llama-3.2-1b", "tiny": "tiny"}  # random_checkpoint.NAMED_SHAPES
 # Engine sizes of the SmolLM2 cases: small buckets, so each configuration compiles in seconds.
 SMOLLM2_SIZES = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, max_loras=4, max_lora_rank=16)
 ONE_B_SIZES = dict(max_model_len=256, max_num_batched_tokens=256, max_loras=4, max_lora_rank=16)
@@ -531,14 +526,12 @@ def prepare_models(names: Sequence[str], model: Path | None, workdir: Path) -> d
     for name, shape in RANDOM_MODELS.items():
         if name not in names:
             continue
-        from jlora.models.random_checkpoint import write_random_checkpoint, write_word_tokenizer
+        from jlora.models.random_checkpoint import bench_config, write_random_checkpoint
 
         ck = workdir / f"check-{name}"
         if not (ck / "config.json").is_file():
             t0 = time.perf_counter()
-            write_random_checkpoint(ck, {**shape, "max_position_embeddings": 4096, "rope_scaling": None,
-                                         "bos_token_id": 1, "eos_token_id": 2})
-            write_word_tokenizer(ck, shape["vocab_size"])
+            write_random_checkpoint(ck, bench_config(shape), tokenizer=True)
             print(f"check: fresh-draw {name} checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
         paths[name] = ck
     return paths

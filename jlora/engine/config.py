@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jlora.sampling_params import DEFAULT_MAX_N
+from jlora.tuning import TuningOptions
 
 
 def geometric_buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
@@ -84,8 +85,22 @@ class EngineConfig:
     # math (a one-row layer pass: 2.80 ms without slots, 4.42 with them and no adapter token, 3.19
     # computing LoRA for every row; v5e, 2026-12-06). Outputs do not change.
     base_graphs: str = "none"
+    # How the step graphs are built and prefill shapes chosen (jlora.tuning): performance only,
+    # outputs do not change. Part of the stored executables' key.
+    tuning: TuningOptions = TuningOptions()
+    # Size the KV cache to this share of the device's memory (its allocator's bytes_limit) once the
+    # weights are placed, less the LoRA slots: num_kv_blocks is what is left (vLLM's
+    # gpu_memory_utilization); the rest of the memory is the steps' temporaries. None: num_kv_blocks
+    # (default max_num_seqs full-length sequences). A backend without a memory limit (XLA:CPU) keeps
+    # that default. LLM() does the sizing (jlora.engine.kv_plan.size_kv_cache).
+    kv_cache_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
+        f = self.kv_cache_memory_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"EngineConfig.kv_cache_memory_fraction must be None or in (0, 1], got {f!r}")
+        if not isinstance(self.tuning, TuningOptions):
+            raise ValueError(f"EngineConfig.tuning must be a jlora.tuning.TuningOptions, got {self.tuning!r}")
         if self.max_cpu_loras is None and isinstance(self.max_loras, int):
             object.__setattr__(self, "max_cpu_loras", default_max_cpu_loras(self.max_loras))
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_loras",
