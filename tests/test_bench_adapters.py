@@ -46,3 +46,16 @@ def test_ks_must_include_the_reference(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--ks", "8,64"])
     assert e.value.code == 2 and "--ks must include 1" in capsys.readouterr().err
+
+
+def test_markdown_has_cpu_time_ratio_and_skips_unrun_sections():
+    from jlora.bench.adapters import to_markdown
+
+    runs = [{"slots": 16, "k": k, "popularity": "uniform", "tok_s": t, "vs_k1": t / 40.0, "tok_cpu_s": c,
+             "vs_k1_cpu": c / 20.0, "slot_writes": w, "conversions": w, "disk_cache_hits": 0}
+            for k, t, c, w in ((1, 40.0, 20.0, 1), (1024, 30.0, 19.0, 94))]
+    r = {"runs": runs, "step_ms": {}, "compiles_after_warmup": 0, "poisson_rate": 0.0, "poisson_slots": 16,
+         "args": {"requests": 96, "new_tokens": 24, "max_num_seqs": 16, "load": 0.0}}
+    md = to_markdown(r)
+    assert "| 1024 | uniform | 16 | 30.0 | 0.75x | 19.0 | 0.95x | 94 | 94 | 0 | - | - |" in md
+    assert "No TTFT runs" in md and "Decode step time" not in md

@@ -62,13 +62,16 @@ def _stats_delta(llm: Any, before: dict[str, int]) -> dict[str, int]:
 
 
 def run_queued(llm: Any, prompts: list[list[int]], loras: list[Any], params: Any) -> dict[str, Any]:
-    """All requests queued at once: output tokens/s over the whole run (conversion included)."""
+    """All requests queued at once: output tokens/s over the whole run (conversion included), and
+    output tokens per CPU second of this process (all its threads): on a machine shared with other
+    work the wall-clock ratio moves with their load, the CPU-time one much less."""
     before = dict(llm.engine.adapters.stats)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras, use_tqdm=False)
-    secs = time.perf_counter() - t
+    secs, cpu = time.perf_counter() - t, time.process_time() - cpu
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"tok_s": tokens / secs, "seconds": secs, **_stats_delta(llm, before)}
+    return {"tok_s": tokens / secs, "seconds": secs, "tok_cpu_s": tokens / cpu, "cpu_seconds": cpu,
+            **_stats_delta(llm, before)}
 
 
 def run_poisson(llm: Any, prompts: list[list[int]], loras: list[Any], params: Any, rate: float,
@@ -168,15 +171,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for row in result["runs"]:
             base = next(r for r in result["runs"] if r["slots"] == row["slots"] and r["k"] == 1)
             row["vs_k1"] = row["tok_s"] / base["tok_s"]
+            row["vs_k1_cpu"] = row["tok_cpu_s"] / base["tok_cpu_s"]
 
-        # Latency under Poisson arrivals, at the largest slot count.
+        # Latency under Poisson arrivals, at the largest slot count (--load 0: none).
         n = max(args.slots)
         llm = get_llm(n)
         base = next(r for r in result["runs"] if r["slots"] == n and r["k"] == 1)
         rate = args.load * base["tok_s"] / args.new_tokens
         result["poisson_rate"] = rate
         result["poisson_slots"] = n
-        for row in [r for r in result["runs"] if r["slots"] == n]:
+        for row in [r for r in result["runs"] if r["slots"] == n and rate > 0]:
             print(f"bench adapters: Poisson {rate:.2f} req/s K={row['k']} {row['popularity']}", flush=True)
             reqs = requests_for(row["k"], row["popularity"], 2)
             row.update(run_poisson(llm, prompts, reqs, params, rate, np.random.default_rng(3)))
@@ -214,23 +218,29 @@ def to_markdown(r: dict[str, Any]) -> str:
         f"(greedy, EOS ignored), {a['max_num_seqs']} running sequences, adapters drawn uniformly or with power-law "
         f"popularity (alpha = 1). Throughput: all requests queued at once, relative to K = 1 (every request on one "
         f"adapter) at the same slot count; conversions (into a fresh disk cache) and slot writes are part of the "
-        f"time. TTFT: Poisson arrivals at {r['poisson_rate']:.2f} requests/s ({a['load']:.0%} of the K = 1 "
-        f"throughput) with {r['poisson_slots']} slots.",
+        f"time. `tok/CPU-s`: output tokens per CPU second of the benchmark's process (all threads), the ratio "
+        f"that moves least when other work shares the machine. "
+        + (f"TTFT: Poisson arrivals at {r['poisson_rate']:.2f} requests/s ({a['load']:.0%} of the K = 1 "
+           f"throughput) with {r['poisson_slots']} slots." if a["load"] > 0 else "No TTFT runs (--load 0)."),
         "",
         "Every run uses fresh adapter names, so each starts with nothing in its slots or host cache; all runs "
         "share one disk cache of converted adapters (as engines on one machine would), so an adapter "
         "converted in an earlier run is read from it later: `converted` and `from disk cache` count both.",
         "",
-        "| K adapters | popularity | slots (max_loras) | tok/s | vs K = 1 | slot writes | converted | "
-        "from disk cache | TTFT p50 s | TTFT p99 s |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| K adapters | popularity | slots (max_loras) | tok/s | vs K = 1 | tok/CPU-s | vs K = 1 | slot writes | "
+        "converted | from disk cache | TTFT p50 s | TTFT p99 s |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for x in r["runs"]:
         ttft = (f"{x['ttft_p50_s']:.2f} | {x['ttft_p99_s']:.2f}" if "ttft_p50_s" in x else "- | -")
         lines.append(f"| {x['k']} | {x['popularity']} | {x['slots']} | {x['tok_s']:.1f} | {x['vs_k1']:.2f}x | "
+                     f"{x['tok_cpu_s']:.1f} | {x['vs_k1_cpu']:.2f}x | "
                      f"{x['slot_writes']} | {x['conversions']} | {x['disk_cache_hits']} | {ttft} |")
-    lines += ["", "![Many adapters: throughput relative to one adapter](bench_adapters.svg)", "",
-              f"Decode step time (ms, median of 20 steps) with {a['max_num_seqs']} rows against `max_loras` "
+    lines += ["", "![Many adapters: throughput relative to one adapter](bench_adapters.svg)"]
+    if not r["step_ms"]:
+        return "\n".join(lines + ["", f"XLA compilations after warm-up: {r['compiles_after_warmup']}.",
+                                   *([r["note"]] if r.get("note") else [])])
+    lines += ["", f"Decode step time (ms, median of 20 steps) with {a['max_num_seqs']} rows against `max_loras` "
               f"(rank {RANK}, `lora_impl=\"auto\"`):", ""]
     kinds = ["none", "1 adapters", "4 adapters", "16 adapters"]
     lines += ["| max_loras | LoRA state MB | no adapter | 1 adapter | 4 adapters | 16 adapters |",
@@ -263,11 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="jlora bench adapters", description=__doc__.split("\n\n")[0])
     p.add_argument("--ks", type=_ints, default=[1, 8, 64, 256, 1024], help="adapter counts K (comma-separated)")
     p.add_argument("--slots", type=_ints, default=[4, 16], help="max_loras values for the throughput runs")
-    p.add_argument("--step-slots", type=_ints, default=[4, 16, 64], help="max_loras values for the step-time table")
+    p.add_argument("--step-slots", type=_ints, default=[4, 16, 64],
+                   help="max_loras values for the step-time table ('': no table)")
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--load", type=float, default=0.7, help="Poisson rate as a fraction of the K = 1 throughput")
+    p.add_argument("--load", type=float, default=0.7,
+                   help="Poisson rate as a fraction of the K = 1 throughput (0: no TTFT runs)")
     p.add_argument("--write", action="store_true", help="write docs/benchmarks.md's block and docs/bench_adapters.svg")
     p.add_argument("--json", default=None, help="also dump raw results to this file")
     args = p.parse_args(argv)
