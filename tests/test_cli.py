@@ -71,8 +71,8 @@ def test_malformed_adapter_config_before_loading(tmp_path, capsys, no_model):
     line = _error(["generate", "hi", "--lora", str(bad)], capsys)
     assert "--lora: malformed" in line and "adapter_config.json" in line
 
-    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "use_dora": True}))
-    assert "use_dora" in _error(["generate", "hi", "--lora", str(bad)], capsys)
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_bias": True}))
+    assert "lora_bias" in _error(["generate", "hi", "--lora", str(bad)], capsys)
 
     (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 0}))
     assert "r=0 must be a positive integer" in _error(["generate", "hi", "--lora", str(bad)], capsys)
