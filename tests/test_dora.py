@@ -241,18 +241,64 @@ def test_real_model_dora_and_plain_rows_match_peft(real_llm, hf_real, tmp_path):
     reqs = {n: LoRARequest(f"real-{n}", 700 + i, str(tmp_path / n)) for i, n in enumerate(specs)}
     order = ["dora", None, "plain", "dora"]
     prompts = ["What is the capital of France?", "Name a fruit.", "Write a haiku.", "2 + 2 ="]
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)  # stops at EOS, which is not in token_ids
+
+    def hf_greedy(m, ids):  # up to 12 tokens, stopping at EOS (2), without it
+        out = m.generate(input_ids=torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=2,
+                         pad_token_id=2)[0, len(ids):].tolist()
+        return out[:-1] if out and out[-1] == 2 else out
+
     before = compile_stats.compile_count()
     outs = real_llm.generate(prompts, greedy, [reqs[n] if n else None for n in order])
     assert compile_stats.compile_count() == before
     for o, n in zip(outs, order):
-        if n is None:
-            want = model.generate(input_ids=torch.tensor([list(o.prompt_token_ids)]), max_new_tokens=12,
-                                  min_new_tokens=12, do_sample=False, pad_token_id=2)[0, len(o.prompt_token_ids):]
-            assert o.outputs[0].token_ids == want.tolist()
-            continue
-        pm = peft.PeftModel.from_pretrained(model, str(tmp_path / n)).eval()
-        try:
-            assert o.outputs[0].token_ids == _peft_greedy(pm, list(o.prompt_token_ids), "default", 12), n
-        finally:
-            pm.unload()
+        ids = list(o.prompt_token_ids)
+        with torch.no_grad():
+            if n is None:
+                assert o.outputs[0].token_ids == hf_greedy(model, ids)
+                continue
+            pm = peft.PeftModel.from_pretrained(model, str(tmp_path / n)).eval()
+            try:
+                assert o.outputs[0].token_ids == hf_greedy(pm, ids), n
+            finally:
+                pm.unload()
+
+
+@pytest.mark.slow  # two engines in a subprocess with 2 forced CPU devices
+def test_tensor_parallel_dora_rows_match_one_device(tiny_dir, dora):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, paths, _ = dora
+    worker = Path(__file__).with_name("dora_tp_worker.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(worker), str(tiny_dir[0]), str(paths["dora_all"]), str(paths["plain"]),
+                           str(paths["dora_part"])], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["tp"] == r["one"] and r["tp_reversed"] == r["one"]
+    assert r["compiles"] == 0
+
+
+def test_int8_engine_takes_the_norm_of_its_int8_weights(tiny_dir, dora):
+    _, paths, _ = dora
+    llm = LLM(str(tiny_dir[0]), progress=False, quantization="int8", **ENGINE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    before = compile_stats.compile_count()
+    req = LoRARequest("dora_all", 1, str(paths["dora_all"]))
+    out = llm.generate(["Hello there", "Hi"], greedy, [req, None])
+    assert compile_stats.compile_count() == before and all(len(o.outputs[0].token_ids) == 4 for o in out)
+    runner, mgr = llm.engine.runner, llm.engine.adapters
+    slot = mgr.slot_of("dora_all")
+    w = runner.lora.base["o_proj"]  # a QArray: q i8[L, out, in], scale [L, out]
+    assert isinstance(w, quant.QArray)
+    wq = np.asarray(w.q, np.float32) * np.asarray(w.scale)[..., None]  # [L, out, in], as the projection uses
+    ad = read_peft_adapter(paths["dora_all"], llm.engine.adapters.model_cfg, MAX_RANK)
+    a, b = ad.weights["o_proj"]
+    want = ad.magnitudes["o_proj"] / np.linalg.norm(np.swapaxes(wq, 1, 2) + a @ b, axis=1) - 1
+    np.testing.assert_allclose(np.asarray(runner.lora_state["o_proj"]["M"][:, slot]), want, rtol=1e-4, atol=1e-5)
+    llm.close()

@@ -3,7 +3,10 @@
 All slots live in one fixed-shape pytree (docs/engine.md, "The rooms of a step"), one entry per packed module
 (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`; S sub-modules each):
 
-    lora_state[packed module] = {"A": [L, N, in, S*R], "B": [L, N, R, out]}
+    lora_state[packed module] = {"A": [L, N, in, S*R], "B": [L, N, R, out], "M": f32[L, N, out]}
+
+("M": each slot's DoRA factor minus one per output column, computed by `set_slot` from a DoRA
+adapter's magnitudes and the base weights, zeros otherwise; jlora.adapters.dora.)
 
 `padded_update` lays an adapter's per-module (PEFT) weights out that way: sub-module s's A in
 lanes [s*R, s*R + r), its B in rows [0, r) of its own output columns, zeros elsewhere.
