@@ -314,7 +314,7 @@ class ModelRunner:
                           zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
 
     @property
-    def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}; a tuple of them per pool
+    def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out], "M": [L, N, out]}; per pool
         return self.lora.state
 
     def write_slots(self, writes: tuple[SlotWrite, ...]) -> None:
