@@ -27,7 +27,7 @@ def default_block_size(max_model_len: int, backend: str | None) -> int:
     """KV positions per block when `block_size` is None (auto). 16 off the TPU. On a TPU a
     sixteenth of max_model_len as a power of two, 16 to 128 (vLLM's TPU backend sizes its pages
     the same way): the Pallas kernel moves a page per DMA, and 16-position pages (16 KB at the 1B
-    shape) left it issue-bound, far under the chip's HBM bandwidth (docs/tpu.md, "Third pass")."""
+    shape) left it issue-bound, far under the chip's HBM bandwidth (45% against 61-70%; docs/tpu.md)."""
     if backend != "tpu":
         return 16
     return min(128, max(16, 1 << max(0, (max_model_len - 1).bit_length() - 4)))
@@ -37,9 +37,9 @@ def default_base_graphs(backend: str | None) -> str:
     """Which step shapes get a graph without LoRA when `base_graphs` is None (auto). Off the TPU
     none: XLA:CPU's LoRA conditionals cost little, and every graph costs start-up. On a TPU the
     decode-only shapes, where the conditionals cost most (a one-row step 4.68 -> 3.19 ms on a v5e
-    chip); "all" also speeds up prefill steps (1.47 -> 1.41 s of prefill for 64 prompts of 1,024
+    chip, timed before the step-output fix of 2026-12-07); "all" also speeds up prefill steps (1.47 -> 1.41 s of prefill for 64 prompts of 1,024
     tokens, 1.64 -> 1.55 s with 4 adapters) but compiles twice the graphs (a cold start of 105 s
-    instead of 60; docs/tpu.md, fifth pass)."""
+    instead of 60; v5e, 2026-12-06)."""
     return "decode" if backend == "tpu" else "none"
 
 

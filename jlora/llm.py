@@ -20,6 +20,7 @@ from jlora.engine import executables
 from jlora.engine_args import ENGINE_DEFAULTS, engine_config
 from jlora.outputs import RequestOutput
 from jlora.sampling import SamplingParams
+from jlora.tuning import TuningOptions
 
 # The engine, the model loader and the tokenizer (Flax, transformers: 2-5 s on a TPU host) are
 # imported inside LLM(), while the TPU runtime starts in a thread (`start_backend`).
@@ -104,6 +105,15 @@ class LLM(Closable):
     compilation_cache_dir puts the XLA compile cache (only) elsewhere; use_compilation_cache=False
     turns it off.
 
+    kv_cache_memory_fraction: size the KV cache to this share of the device's memory once the
+    weights are placed, less the LoRA slots (vLLM's gpu_memory_utilization; `llm.kv_cache_plan`
+    says what it chose); a backend without a memory limit (the CPU) keeps max_num_seqs full-length
+    sequences. None (the default): num_kv_blocks.
+
+    tuning: the engine's performance switches (`jlora.tuning.TuningOptions`: how the LoRA
+    conditionals and the attention kernel's programs are built, how prefill shapes are chosen);
+    the default (or None) is the measured defaults. Outputs do not depend on it.
+
     `close()` (or leaving `with LLM(...) as llm:`) stops a background warm-up and frees the device
     memory (weights, KV cache, LoRA slots), the compiled graphs and the engine's threads at once;
     using the LLM afterwards raises RuntimeError. A dropped LLM frees the same without it.
@@ -148,6 +158,8 @@ class LLM(Closable):
         adapter_cache: bool | str | os.PathLike = True,
         executable_cache: bool | str | os.PathLike | None = None,
         progress: bool = True,
+        tuning: TuningOptions | None = ENGINE_DEFAULTS["tuning"],
+        kv_cache_memory_fraction: float | None = ENGINE_DEFAULTS["kv_cache_memory_fraction"],
     ):
         t0 = time.perf_counter()
         backend_started = start_backend()  # the TPU runtime's start overlaps the imports below
@@ -166,7 +178,7 @@ class LLM(Closable):
         # The engine's and the tokenizer's modules (transformers among them) are imported in a thread
         # while this one waits for the runtime and then streams the weights in: on a v5e host the
         # runtime's start holds the GIL 4-5 s of its 7-8 s, and the weights' load is mostly copies and
-        # transfers, which leave it free (docs/tpu.md, tenth pass).
+        # transfers, which leave it free (docs/tpu.md, "Where a warm start goes").
         engine_imports = import_in_background(_ENGINE_MODULES)
         t_imports = time.perf_counter()
         runtime_wait = backend_started()
@@ -183,7 +195,10 @@ class LLM(Closable):
             base_graphs=base_graphs, scheduling_policy=scheduling_policy,
             decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
             max_overtakes=max_overtakes, max_n=max_n, max_waiting_seqs=max_waiting_seqs,
-            num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching, backend=jax.default_backend())
+            num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching, backend=jax.default_backend(),
+            tuning=TuningOptions() if tuning is None else tuning, kv_cache_memory_fraction=kv_cache_memory_fraction)
+        if kv_cache_memory_fraction is not None and num_kv_blocks is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory_fraction, not both")
         path = resolve_model_path(model)  # a missing model path fails here, before anything is read
         self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
         device_groups = parallel_devices(path, tensor_parallel_size, data_parallel_size)
@@ -202,7 +217,7 @@ class LLM(Closable):
             store = open_executable_store(executable_cache, device_groups[0], model_cfg, dtype, self.quantization,
                                           self.config)
         # Read beside the weights' transfer on a TPU; on XLA:CPU a deserialization beside other
-        # XLA work has crashed the process (docs/tpu.md, eighth pass), so there it waits its turn.
+        # XLA work has crashed the process (2026-12-06), so there it waits its turn.
         if store is not None and warmup != "lazy" and jax.default_backend() == "tpu":
             store.prefetch(executables.graph_name(g) for g in
                            (self.config.first_graphs() if warmup == "background" else self.config.step_graphs()))
@@ -220,6 +235,20 @@ class LLM(Closable):
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
+        # The KV cache sized to the device's memory left after the weights (kv_cache_memory_fraction).
+        self.kv_cache_plan: dict[str, Any] | None = None
+        if self.config.kv_cache_memory_fraction is not None:
+            from jlora.engine.kv_plan import size_kv_cache
+
+            self.config, self.kv_cache_plan = size_kv_cache(self.config, cfg, [d for g in device_groups for d in g],
+                                                            self.model.dtype)
+            p = self.kv_cache_plan
+            if progress:
+                self._say(f"KV cache: {p['num_kv_blocks']} blocks of {self.config.block_size} positions"
+                          + (f" ({p['kv_bytes'] / 1e9:.2f} GB, {p['full_length_sequences']} sequences of "
+                             f"{max_model_len}: {p['fraction']} of {p['bytes_limit'] / 1e9:.2f} GB less "
+                             f"{p['in_use'] / 1e9:.2f} GB in use and {p['lora_slots'] / 1e9:.2f} GB of LoRA slots)"
+                             if p["sized"] else f" ({p['reason']})"))
         t2 = time.perf_counter()
         imports_waited = engine_imports()
         from jlora.engine.data_parallel import DataParallelEngine
@@ -539,7 +568,7 @@ def start_backend() -> Callable[[], float]:
     (A smaller TPU_PREMAPPED_BUFFER_SIZE, the host buffer libtpu pins at its start, starts the
     runtime in 2.3-3.7 s instead of 5.4-8 s on a v5e host, but it is not set here: with 1-2 GiB the
     background warm-up's executable loads then took 34-37 s instead of 13-14 s and held a first
-    request 17-21 s; docs/tpu.md, ninth pass.)"""
+    request 17-21 s; docs/tpu.md, "Caches".)"""
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -74,6 +75,7 @@ def write_peft(
 
 
 def test_lora_request_validation(tmp_path):
+    write_peft(tmp_path)
     req = LoRARequest("sql", 1, tmp_path)
     assert req.lora_path == str(tmp_path) and req.adapter_id == 1 and req.name == "sql" and req.path == str(tmp_path)
     for bad in (0, -3, True, 1.0, "1"):
@@ -83,6 +85,44 @@ def test_lora_request_validation(tmp_path):
         LoRARequest("", 1, "x")
     with pytest.raises(ValueError, match="lora_path"):
         LoRARequest("a", 1, "")
+
+
+def test_lora_request_checks_its_directory_when_made(tmp_path, monkeypatch):
+    """A bad path fails when the request is made (as `jlora generate --lora` checks it), not at generate()."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"LoRARequest 'x': no adapter_config.json in adapter directory"):
+        LoRARequest("x", 1, str(empty))
+    with pytest.raises(FileNotFoundError, match=r"LoRARequest 'x': adapter path .*nope' does not exist$"):
+        LoRARequest("x", 1, str(tmp_path / "nope"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="hub names are not supported"):
+        LoRARequest("x", 1, "someorg/some-lora")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        LoRARequest("x", 1, str(tmp_path / "file"))
+    bad_json = tmp_path / "bad-json"
+    bad_json.mkdir()
+    (bad_json / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="malformed .*adapter_config.json"):
+        LoRARequest("x", 1, bad_json)
+    layer_replication = tmp_path / "layer-replication"
+    write_peft(layer_replication, config={"layer_replication": [[0, 2]]})
+    with pytest.raises(ValueError, match="layer_replication"):
+        LoRARequest("x", 1, layer_replication)
+    no_weights = tmp_path / "no-weights"
+    write_peft(no_weights)
+    (no_weights / "adapter_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no adapter_model.safetensors"):
+        LoRARequest("x", 1, no_weights)
+    ok = tmp_path / "ok"
+    write_peft(ok)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert LoRARequest("x", 1, "~/ok").lora_path == "~/ok"  # `~` as the adapter manager expands it
+    # Adapters in memory carry no path and are not checked against the file system.
+    t = write_peft(tmp_path / "mem")
+    cfg = json.loads((tmp_path / "mem" / "adapter_config.json").read_text())
+    assert LoRARequest("m", 2, tensors=t, config=cfg).in_memory
 
 
 # ---- conversion rules -------------------------------------------------------------------------------
@@ -559,11 +599,15 @@ def test_manager_bad_adapter_changes_nothing(adapters, tmp_path):
     s = _acquire(mgr, dev, _req(0, adapters))
     mgr.release(s)
     snap, res = _snapshot(dev), mgr.resident()
-    write_peft(tmp_path / "dora", config={"use_dora": True})
+    # The requests are made on good directories (LoRARequest checks its path), which then change under
+    # them: the manager checks again when it reads them.
+    for name in ("dora", "gone"):
+        write_peft(tmp_path / name)
     write_peft(tmp_path / "big", r=8)
-    for req, exc in [(LoRARequest("dora", 10, str(tmp_path / "dora")), ValueError),
-                     (LoRARequest("big", 11, str(tmp_path / "big")), ValueError),
-                     (LoRARequest("gone", 12, str(tmp_path / "gone")), FileNotFoundError)]:
+    reqs = [LoRARequest(name, 10 + i, str(tmp_path / name)) for i, name in enumerate(("dora", "big", "gone"))]
+    write_peft(tmp_path / "dora", config={"use_dora": True})
+    shutil.rmtree(tmp_path / "gone")
+    for req, exc in zip(reqs, (ValueError, ValueError, FileNotFoundError)):
         with pytest.raises(exc):
             _acquire(mgr, dev, req)
         with pytest.raises(exc):

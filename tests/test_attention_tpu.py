@@ -22,6 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jlora.kernels.attention import paged_attention_reference
 from jlora.engine.runner import whole_cache_copies
+from jlora.tuning import AttentionOptions
 from jlora.kernels.paged_attention_tpu import (UNROLL_PAGES, VMEM_BUDGET, cache_lanes, compute_block, default_chunk,
                                                lane_tiles, paged_attention_tpu, prefill_sizes, query_block,
                                                vmem_estimate)
@@ -93,7 +94,8 @@ def test_compute_steps_skip_what_a_sequence_does_not_reach(h, kvh, dh, bs, chunk
     copied page (whose buffer rows hold NaN here: the first sequence's buffer was never written)."""
     q, k, v, positions, tables = make_case(h, kvh, dh, bs, nq, seed=11 + nq)
     q, positions, tables = q[::-1].copy(), positions[::-1].copy(), tables[::-1].copy()
-    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, sub_block=sub,
+    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk,
+                              options=AttentionOptions(sub_block=sub),
                               interpret=pltpu.InterpretParams(uninitialized_memory="nan"))
     want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
     assert not np.isnan(np.asarray(got)).any()
@@ -101,20 +103,19 @@ def test_compute_steps_skip_what_a_sequence_does_not_reach(h, kvh, dh, bs, chunk
 
 
 @pytest.mark.parametrize("step", [16, 32])
-def test_prefill_programs_step_through_partial_chunks(step, monkeypatch):
-    """PREFILL_STEP: prefill programs (more than SMALL_PROGRAM_ROWS rows) compute a partial chunk in
+def test_prefill_programs_step_through_partial_chunks(step):
+    """AttentionOptions.prefill_step: prefill programs (more than SMALL_PROGRAM_ROWS rows) compute a partial chunk in
     steps and skip those past their furthest query's page: a prompt from position 0 (its first
     query blocks reach one page of a 128-position chunk) and a later chunk of another prompt across
     a chunk boundary, against the reference; buffers never written hold NaN."""
-    from jlora.kernels import paged_attention_tpu as kernel
-
     h, kvh, dh, bs, chunk, nq = 8, 2, 64, 16, 128, 96
-    monkeypatch.setattr(kernel, "PREFILL_STEP", step)
-    assert compute_block(chunk, bs, 8 * 16) == step and compute_block(chunk, bs, 8) == chunk  # decode rule unchanged
+    assert compute_block(chunk, bs, 8 * 16, step) == step and compute_block(chunk, bs, 8, step) == chunk  # decode
+    # rule unchanged
     q, k, v, _, tables = make_case(h, kvh, dh, bs, nq, seed=31)
     positions = np.stack([np.arange(nq), np.arange(100, 100 + nq), np.full(nq, -1)]).astype(np.int32)
     positions[1, -5:] = -1  # padding after a short chunk
     got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk,
+                              options=AttentionOptions(prefill_step=step),
                               interpret=pltpu.InterpretParams(uninitialized_memory="nan"))
     want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
     assert not np.isnan(np.asarray(got)).any()
@@ -122,13 +123,11 @@ def test_prefill_programs_step_through_partial_chunks(step, monkeypatch):
 
 
 @pytest.mark.parametrize("round_to,chunk", [(16, 128), (48, 128), (20, 64)])
-def test_prefill_programs_compute_a_partial_chunk_as_one_smaller_block(round_to, chunk, monkeypatch):
-    """PREFILL_ROUND: a prefill program computes a partial chunk as one block of the smallest
+def test_prefill_programs_compute_a_partial_chunk_as_one_smaller_block(round_to, chunk):
+    """AttentionOptions.prefill_round: a prefill program computes a partial chunk as one block of the smallest
     multiple of `round_to` (whole pages: 20 -> 32) covering its copied pages; a size more than a
     page past the one below it reaches pages never copied (NaN here), which must be masked. A prompt
     from position 0, one across a chunk boundary with padding after it, and one all padding."""
-    from jlora.kernels import paged_attention_tpu as kernel
-
     h, kvh, dh, bs, nq = 8, 2, 64, 16, 96
     step = bs * -(-round_to // bs)
     assert prefill_sizes(chunk, bs, 8 * 16, round_to) == tuple(range(step, chunk, step)) + (chunk,)
@@ -139,22 +138,18 @@ def test_prefill_programs_compute_a_partial_chunk_as_one_smaller_block(round_to,
     positions[1, -5:] = -1
     want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
     nan = pltpu.InterpretParams(uninitialized_memory="nan")
-    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, prefill_round=round_to,
-                              interpret=nan)
+    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk,
+                              options=AttentionOptions(prefill_round=round_to), interpret=nan)
     assert not np.isnan(np.asarray(got)).any()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
-    monkeypatch.setattr(kernel, "PREFILL_ROUND", round_to)  # the module's switch, as the engine traces it
-    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, interpret=nan)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
-    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, max_rows=128, interpret=nan,
-                              trace_regions=True)
+    got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, interpret=nan,
+                              options=AttentionOptions(prefill_round=round_to, max_block_rows=128, trace_regions=True))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)  # 16 queries a program,
     # with trace regions (named scopes) in the kernel
-    with pytest.raises(ValueError, match="max_rows must be >= 1"):
-        paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, max_rows=0, interpret=True)
-    with pytest.raises(ValueError, match="prefill_round must be >= 0"):
-        paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=chunk, prefill_round=-16,
-                            interpret=True)
+    with pytest.raises(ValueError, match="max_block_rows must be an int >= 1"):
+        AttentionOptions(max_block_rows=0)
+    with pytest.raises(ValueError, match="prefill_round must be None or an int >= 0"):
+        AttentionOptions(prefill_round=-16)
 
 
 @pytest.mark.parametrize("seqs,nq", [(2, 1), (3, 1), (6, 1), (4, 1), (3, 2)])
@@ -169,12 +164,13 @@ def test_several_sequences_a_program(seqs, nq):
     tables = np.concatenate([tables, tables[::-1]])
     want = paged_attention_reference(q, k, v, jnp.int32(1), positions, tables)
     for sub in (None, 256):
-        got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=256, sub_block=sub,
-                                  seqs_per_program=seqs, interpret=pltpu.InterpretParams(uninitialized_memory="nan"))
+        got = paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=256,
+                                  options=AttentionOptions(sub_block=sub, seqs_per_program=seqs),
+                                  interpret=pltpu.InterpretParams(uninitialized_memory="nan"))
         assert not np.isnan(np.asarray(got)).any()
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
-    with pytest.raises(ValueError, match="seqs_per_program must be >= 1"):
-        paged_attention_tpu(q, k, v, jnp.int32(1), positions, tables, chunk=256, seqs_per_program=0, interpret=True)
+    with pytest.raises(ValueError, match="seqs_per_program must be an int >= 1"):
+        AttentionOptions(seqs_per_program=0)
 
 
 def test_compute_block_rule_and_bad_sub_blocks():
@@ -182,9 +178,12 @@ def test_compute_block_rule_and_bad_sub_blocks():
     assert compute_block(1024, 256, 8) == 256 and compute_block(64, 16, 8) == 64  # a page; the whole chunk
     assert compute_block(1024, 128, 512) == 1024  # prefill rows take the chunk at once
     q, k, v, positions, tables = make_case(4, 2, 16, 16, 1)
-    for bad in (0, 24, 48):
+    for bad in (24, 48):
         with pytest.raises(ValueError, match="sub_block must divide the chunk 64"):
-            paged_attention_tpu(q, k, v, jnp.int32(0), positions, tables, chunk=64, sub_block=bad, interpret=True)
+            paged_attention_tpu(q, k, v, jnp.int32(0), positions, tables, chunk=64,
+                                options=AttentionOptions(sub_block=bad), interpret=True)
+    with pytest.raises(ValueError, match="sub_block must be None or an int >= 1"):
+        AttentionOptions(sub_block=0)
 
 
 @pytest.mark.parametrize("window", [1, 40, 150])
@@ -248,8 +247,8 @@ def test_lowers_for_tpu(shape):
     b, nq, h, kvh, dh, bs, chunk, *more = shape
     seqs, round_to = (more + [1, None])[:2]
     spec = jax.ShapeDtypeStruct
-    fn = jax.jit(partial(paged_attention_tpu, chunk=chunk, interpret=False, seqs_per_program=seqs,
-                         prefill_round=round_to))
+    fn = jax.jit(partial(paged_attention_tpu, chunk=chunk, interpret=False,
+                         options=AttentionOptions(seqs_per_program=seqs, prefill_round=round_to)))
     exp = jax.export.export(fn, platforms=["tpu"])(
         spec((b, nq, h, dh), jnp.bfloat16), spec((16, 2048, bs, kvh * dh), jnp.bfloat16),
         spec((16, 2048, bs, kvh * dh), jnp.bfloat16), spec((), jnp.int32), spec((b, nq), jnp.int32),
@@ -354,7 +353,7 @@ def test_experiment_knobs_reach_mosaic():
             spec((4, 16), jnp.int32), spec((), jnp.int32))
 
     def lowered(**kw) -> str:
-        fn = jax.jit(partial(paged_attention_tpu, chunk=256, interpret=False, **kw))
+        fn = jax.jit(partial(paged_attention_tpu, chunk=256, interpret=False, options=AttentionOptions(**kw)))
         return jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
 
     plain, knobs = lowered(), lowered(vmem_limit=64 * 2**20, bounds_checks=False)
@@ -373,14 +372,16 @@ def test_experiment_knobs_reach_mosaic():
 def test_kernel_variant_specs_parse_and_bad_ones_are_named():
     import argparse
 
-    from jlora.bench.tpu import parse_kernel_variants
+    from jlora.bench.tpu.micro import parse_kernel_variants
 
     assert parse_kernel_variants("16x256,128x1024+nobc+vmem64,128x1024+sub1024+seqs8,128x1024+round256") == [
         (16, 256, {}), (128, 1024, {"bounds_checks": False, "vmem_limit": 64 * 2**20}),
         (128, 1024, {"sub_block": 1024, "seqs_per_program": 8}), (128, 1024, {"prefill_round": 256})]
-    assert parse_kernel_variants("128x1024+rows128+regions") == [(128, 1024, {"max_rows": 128, "trace_regions": True})]
+    assert parse_kernel_variants("128x1024+rows128+regions") == [(128, 1024, {"max_block_rows": 128,
+                                                                                 "trace_regions": True})]
     assert parse_kernel_variants("") == []
-    from jlora.bench.tpu import KERNEL_VARIANT_CASES, parse_args, parse_kernel_cases
+    from jlora.bench.tpu.cli import parse_args
+    from jlora.bench.tpu.micro import KERNEL_VARIANT_CASES, parse_kernel_cases
 
     assert parse_kernel_cases("1x1024x1024,64x256x1") == ((1, 1024, 1024), (64, 256, 1))
     assert parse_args([]).kernel_cases == KERNEL_VARIANT_CASES

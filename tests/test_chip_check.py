@@ -19,6 +19,7 @@ import pytest
 from jlora import LLM, SamplingParams
 from jlora.bench import chip_check
 from jlora.engine import runner as runner_module
+from jlora.models import quant
 
 TINY_ENGINE = dict(max_model_len=96, max_num_seqs=1, max_num_batched_tokens=32, token_buckets=(32,), max_loras=2,
                    max_lora_rank=8)
@@ -135,6 +136,35 @@ def test_chip_check_passes_the_cpu_against_itself(tmp_path):
     assert res["passed"], case
     assert case["rows_equal"] == case["rows"] > 20 and case["graphs_not_run"] == []
     assert case["teacher_forced_logprob_max_diff"] < 1e-4 and case["positions"] > 300
+
+
+def test_w8a8_ops_are_held_bit_for_bit(monkeypatch):
+    """The W8A8 check: the integer dot against NumPy's int64 product on any backend, and (on a
+    chip) every step of quant.linear against the CPU device. A quantizer that rounds differently on
+    the device under test fails it."""
+    res = chip_check.w8a8_ops()
+    assert res["passed"] and res["dot_differ_from_int64"] == 0, res
+    real = quant.quantize
+    calls = []
+
+    def other_rounding(x, axis=-1):  # floor for the first device's call, the real one for the CPU's
+        calls.append(1)
+        if len(calls) > 1:
+            return real(x, axis)
+        q, s = real(x, axis)
+        xf = x.astype(jnp.float32) / jnp.expand_dims(jnp.where(s > 0, s, 1.0), axis)
+        return jnp.clip(jnp.floor(xf), -quant.QMAX, quant.QMAX).astype(jnp.int8), s
+
+    monkeypatch.setattr(quant, "quantize", other_rounding)
+    broken = chip_check.w8a8_ops()
+    assert not broken["passed"] and broken["quantize_codes_differ"] > 0, broken
+
+
+def test_the_smollm2_cases_hold_int8_weights_but_w8a8_op_by_op():
+    cases = {c["name"]: c for c in chip_check.default_cases(["smollm2"])}
+    w8a16 = cases["smollm2 int8-weight-only"]
+    assert w8a16["quantization"] == "int8-weight-only" and chip_check.target_for(w8a16) == chip_check.TARGETS["float32"]
+    assert not any(c.get("quantization") == "int8" for c in cases.values())
 
 
 def test_chip_check_fails_the_broken_step(tmp_path, monkeypatch):

@@ -162,12 +162,13 @@ def test_missing_model_and_malformed_config(tmp_path):
         load_model(tmp_path)
 
 
-def test_where_lora_is_sliced_or_skipped_changes_nothing(monkeypatch):
-    """LORA_SLICES (a layer's slots sliced inside the LoRA conditional or before it), LORA_COND (the
-    base projection before the conditional or inside its branches) and lora_skip
+def test_where_lora_is_sliced_or_skipped_changes_nothing():
+    """TuningOptions.lora_slices (a layer's slots sliced inside the LoRA conditional or before it),
+    lora_cond (the base projection before the conditional or inside its branches) and lora_skip
     (False: LoRA computed for every token, no conditional; what a shape with a base graph runs) give
     the logits the defaults give, bit for bit, with adapters and without."""
     from jlora.models import Llama, init_lora_state, llama
+    from jlora.tuning import TuningOptions
 
     cfg = LlamaConfig.preset("tiny")
     m = Llama(cfg, rngs=nnx.Rngs(0))
@@ -176,17 +177,17 @@ def test_where_lora_is_sliced_or_skipped_changes_nothing(monkeypatch):
                         init_lora_state(cfg, max_loras=2, max_rank=4))
     toks = jnp.array([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
     pos = jnp.tile(jnp.arange(4, dtype=jnp.int32), (2, 1))
-    def logits(ids, skip=True):
+    def logits(ids, skip=True, tuning=TuningOptions()):
         slot_ids = jnp.where(pos >= 0, jnp.array(ids, jnp.int32)[:, None], -1).reshape(-1)
         x, _ = m.forward(toks.reshape(-1), slot_ids, (llama.AttnGroup(pos, jnp.arange(2, dtype=jnp.int32)[:, None]),),
-                         init_cache(cfg, 2, 8), lora, lora_skip=skip)
+                         init_cache(cfg, 2, 8), lora, lora_skip=skip, tuning=tuning)
         return np.asarray(m.logits(x))
 
     got = {}
     for variant in ("inside", "before", "no skip", "base inside the cond"):
-        monkeypatch.setattr(llama, "LORA_SLICES", variant if variant in ("inside", "before") else "inside")
-        monkeypatch.setattr(llama, "LORA_COND", "inside" if variant == "base inside the cond" else "pass")
-        got[variant] = [logits(ids, variant != "no skip") for ids in ([-1, -1], [0, 1], [-1, 1])]
+        tuning = TuningOptions(lora_slices=variant if variant in ("inside", "before") else "inside",
+                               lora_cond="inside" if variant == "base inside the cond" else "pass")
+        got[variant] = [logits(ids, variant != "no skip", tuning) for ids in ([-1, -1], [0, 1], [-1, 1])]
     for variant in ("before", "no skip", "base inside the cond"):
         for a, b in zip(got["inside"], got[variant]):
             np.testing.assert_array_equal(a, b)
@@ -200,8 +201,7 @@ def test_where_lora_is_sliced_or_skipped_changes_nothing(monkeypatch):
     m = quant.quantize_model(m, "int8-weight-only")
     q = {}
     for cond in ("pass", "inside"):
-        monkeypatch.setattr(llama, "LORA_COND", cond)
-        q[cond] = [logits(ids) for ids in ([-1, -1], [0, 1])]
+        q[cond] = [logits(ids, tuning=TuningOptions(lora_cond=cond)) for ids in ([-1, -1], [0, 1])]
     for a, b in zip(q["pass"], q["inside"]):  # (XLA:CPU fuses the dequantizing multiply differently
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)  # inside a branch: float rounding only)
     assert not np.allclose(q["inside"][0], first[0])  # the int8 weights are the ones read

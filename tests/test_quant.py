@@ -368,7 +368,7 @@ def test_quantized_serving_step_lowers_for_tpu(tmp_path, monkeypatch, quantizati
     through Mosaic); W8A8 multiplies int8 x int8 -> int32 in every projection and the lm head, W8A16
     never does; the LoRA delta stays bf16. Shapes: the 8B's head_dim 128 and its 4:1 heads."""
     from jlora import LLM
-    from jlora.bench import tpu
+    from jlora.bench.tpu import shapes as tpu
     from jlora.engine.runner import pack_batch
     from jlora.models import llama
 
@@ -398,8 +398,8 @@ def test_quantized_serving_step_lowers_for_tpu(tmp_path, monkeypatch, quantizati
             dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
             int8 = [ln for ln in dots if re.search(r"\(tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>", ln)]
             # 4 projections in the layer scan, each in both branches of its LoRA conditional (the TPU's
-            # LORA_COND "inside"), + the lm head (+ the prompt-logprob head in a prefill step).
-            assert llama.lora_cond() == "inside"
+            # lora_cond "inside"), + the lm head (+ the prompt-logprob head in a prefill step).
+            assert llm.config.tuning.resolved_lora_cond(jax.default_backend()) == "inside"
             assert len(int8) == (0 if quantization == "int8-weight-only" else 9 + (shape[1] > 0)), (shape, int8)
             if quantization == "int8-weight-only":  # the head [512, 256] widened in the dot, not chunk by chunk in f32
                 assert any(re.search(r"tensor<512x256xbf16>\) -> tensor<[0-9x]+x512xf32>", ln) for ln in dots), shape

@@ -131,9 +131,9 @@ def test_bad_adapters_raise_and_engine_keeps_serving(real_llm, peft_adapters, tm
     params = SamplingParams(temperature=0.0, max_tokens=4)
     expected = real_llm.generate(["Hello"], params)[0].outputs[0].token_ids
 
-    missing = LoRARequest("missing", 201, str(tmp_path / "does-not-exist"))
-    with pytest.raises(FileNotFoundError):
-        real_llm.generate(["Hello", "Hi"], params, lora_request=[None, missing])
+    with pytest.raises(FileNotFoundError):  # raised by LoRARequest itself, before generate runs
+        real_llm.generate(["Hello", "Hi"], params,
+                          lora_request=[None, LoRARequest("missing", 201, str(tmp_path / "does-not-exist"))])
 
     broken = tmp_path / "broken"
     shutil.copytree(peft_adapters["qv-r8"], broken)

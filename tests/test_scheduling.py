@@ -78,8 +78,8 @@ def test_bad_policy_is_rejected(tiny_dir):
         LLM(str(tiny_dir[0]), progress=False, scheduling_policy="random", **ENGINE)
 
 
-def test_prefill_prefers_fewer_prompts_when_the_yield_is_nearly_the_same(monkeypatch):
-    """PREFILL_SLACK: a burst of 1,024-token prompts is prefilled one a step (its first prompt then
+def test_prefill_prefers_fewer_prompts_when_the_yield_is_nearly_the_same():
+    """TuningOptions.prefill_slack: a burst of 1,024-token prompts is prefilled one a step (its first prompt then
     decodes after one step, not 32), while short prompts still share a step; None keeps the best
     yield alone (the first of equal shapes: 32 prompts x 32 tokens)."""
     from types import SimpleNamespace
@@ -88,7 +88,7 @@ def test_prefill_prefers_fewer_prompts_when_the_yield_is_nearly_the_same(monkeyp
     from jlora.engine.config import EngineConfig
 
     cfg = EngineConfig(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024, token_buckets=(32, 128, 1024))
-    planner = SimpleNamespace(config=cfg, can_run=lambda shape: True)
+    planner = SimpleNamespace(config=cfg, can_run=lambda shape: True, prefill_slack=cfg.tuning.prefill_slack)
 
     def choose(n, length, done=0):
         seqs = [SimpleNamespace(total_len=length, num_computed=done) for _ in range(n)]
@@ -96,13 +96,13 @@ def test_prefill_prefers_fewer_prompts_when_the_yield_is_nearly_the_same(monkeyp
         assert take == seqs[:shape[0]]
         return shape
 
-    assert scheduler.PREFILL_SLACK == 0.05
+    assert cfg.tuning.prefill_slack == 0.05
     assert choose(64, 1024) == (1, 1024)
     assert choose(64, 1000) == (1, 1024)  # 2.4% fewer prompt tokens per token computed than 32 x 32
     assert choose(40, 20) == (32, 32)  # short prompts: one at a time would carry a fraction
     # eight prompts' last 24 tokens go together: one prompt a step would carry 10% less per token computed
     assert choose(8, 1024, done=1000)[0] >= 8
-    monkeypatch.setattr(scheduler, "PREFILL_SLACK", None)
+    planner.prefill_slack = None  # TuningOptions(prefill_slack=None): the best yield alone
     assert choose(64, 1024) == (32, 32)
     assert choose(40, 20) == (32, 32)
     # A background warm-up that has compiled only the full chunk's graph: short prompts go one a step.

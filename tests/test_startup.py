@@ -425,19 +425,26 @@ def test_stored_executables_skip_tracing_and_give_the_same_tokens(tiny_dir, tiny
             != LLM(path, **kw, **{**SMALL, "max_num_seqs": 3}).executable_store.key)
 
 
-def test_executable_fingerprint_covers_switches_and_configs(tiny_dir, monkeypatch):
+def test_executable_fingerprint_covers_tuning_version_sources_and_configs(tiny_dir, monkeypatch):
+    import jlora
     from jlora.engine import executables
     from jlora.llm import open_executable_store
-    from jlora.models import llama
+    from jlora.tuning import TuningOptions
 
     devices = jax.devices()[:1]
     cfg = engine_config(**SMALL)
     key = executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
     assert key == executables.fingerprint(devices, "model=a", f"engine={cfg!r}")  # stable
     assert key != executables.fingerprint(devices, "model=b", f"engine={cfg!r}")
-    monkeypatch.setattr(llama, "LORA_COND", "pass")  # a bench's trace-time switch
-    assert "jlora.models.llama.LORA_COND='pass'" in executables.module_switches()
-    assert key != executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
+    # Each tuning option is part of the engine config's key, a kernel option too.
+    for tuning in (TuningOptions(lora_cond="pass"), TuningOptions(lora_slices="before"),
+                   TuningOptions(prefill_slack=None), TuningOptions().replace(prefill_round=256)):
+        other = engine_config(**SMALL, tuning=tuning)
+        assert key != executables.fingerprint(devices, "model=a", f"engine={other!r}"), tuning
+    assert key == executables.fingerprint(devices, "model=a", f"engine={engine_config(**SMALL, tuning=TuningOptions())!r}")
+    with monkeypatch.context() as m:
+        m.setattr(jlora, "__version__", "9.9.9")  # another release
+        assert key != executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
     monkeypatch.undo()
     assert key == executables.fingerprint(devices, "model=a", f"engine={cfg!r}")
@@ -541,28 +548,14 @@ def test_a_compile_cache_load_is_not_stored(tiny_dir, tmp_path):
     assert loaded["tokens"] == fresh["tokens"]
 
 
-def test_switch_source_parse_retries_cpython_311s_shared_ast_depth(monkeypatch):
-    """CPython 3.11's ast.parse can fail with "AST constructor recursion depth mismatch" when another
-    thread works meanwhile (LLM() parses the switches' sources while its import thread runs; a test
-    run saw it once): parsed again; any other SystemError, or a mismatch every time, is raised."""
+def test_fingerprint_reads_the_sources_bytes_without_parsing_them(monkeypatch):
+    """The stored executables' key hashes the sources' bytes; it parses none of them (the switches
+    it once read from the syntax trees are TuningOptions in the engine config now)."""
     import ast
 
     from jlora.engine import executables
 
-    real, calls = ast.parse, []
-
-    def flaky(source, *a, **kw):
-        calls.append(source)
-        if len(calls) == 1:
-            raise SystemError("AST constructor recursion depth mismatch (before=24, after=317)")
-        return real(source, *a, **kw)
-
-    monkeypatch.setattr(executables.ast, "parse", flaky)
-    assert isinstance(executables._parse("X = 1").body[0], ast.Assign) and len(calls) == 2
-    monkeypatch.setattr(executables.ast, "parse", lambda *a, **kw: (_ for _ in ()).throw(SystemError("other")))
-    with pytest.raises(SystemError, match="other"):
-        executables._parse("X = 1")
-    always = SystemError("AST constructor recursion depth mismatch (before=1, after=2)")
-    monkeypatch.setattr(executables.ast, "parse", lambda *a, **kw: (_ for _ in ()).throw(always))
-    with pytest.raises(SystemError, match="mismatch"):
-        executables._parse("X = 1")
+    monkeypatch.setattr(ast, "parse", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("parsed a source")))
+    monkeypatch.setattr(executables, "_source_digest", None)  # hashed again, here
+    assert len(executables.fingerprint(jax.devices()[:1], "model=a")) == 32
+    assert executables._source_digest is not None

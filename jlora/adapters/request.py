@@ -6,9 +6,12 @@ import dataclasses
 import hashlib
 import json
 import os
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+
+from jlora.adapters.peft import check_adapter_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +20,10 @@ class LoRARequest:
 
     lora_name identifies the adapter; lora_int_id is a positive int id (vLLM's key; jlora rejects
     one id used for two names); lora_path is a PEFT adapter directory or one written by
-    `jlora convert`.
+    `jlora convert`. The directory is checked when the request is made, as `jlora generate --lora`
+    checks it (`check_adapter_dir`: it exists, its adapter_config.json parses and asks only for what
+    jlora serves, its weights file is there; no tensor is read): FileNotFoundError or ValueError
+    naming the request, before any model work.
 
     In memory: `LoRARequest("mine", 3, tensors=state_dict, config=peft_config)` where `tensors` is
     a PEFT state dict (`...layers.0.self_attn.q_proj.lora_A.weight` -> [r, in], `lora_B` ->
@@ -69,6 +75,7 @@ class LoRARequest:
         if not isinstance(self.lora_path, (str, os.PathLike)) or not str(self.lora_path):
             raise ValueError(f"LoRARequest.lora_path must be a non-empty path, got {self.lora_path!r}")
         object.__setattr__(self, "lora_path", str(self.lora_path))
+        _check_path(self.lora_name, self.lora_path)
 
     @property
     def in_memory(self) -> bool:
@@ -87,6 +94,20 @@ class LoRARequest:
     @property
     def path(self) -> str | None:
         return self.lora_path
+
+
+def _check_path(name: str, path: str) -> None:
+    """The CLI's adapter check at construction, so a bad path fails here and not after a model load."""
+    try:
+        check_adapter_dir(Path(path).expanduser())  # `~` as the adapter manager expands it
+    except FileNotFoundError as e:
+        from jlora.models.loading import _looks_like_hub_name
+
+        hub = ("; hub names are not supported: download the adapter and pass its local directory"
+               if not Path(path).expanduser().exists() and _looks_like_hub_name(path) else "")
+        raise FileNotFoundError(f"LoRARequest {name!r}: {e}{hub}") from None
+    except ValueError as e:
+        raise ValueError(f"LoRARequest {name!r}: {e}") from None
 
 
 def _snapshot_tensors(name: str, tensors: Any) -> dict[str, np.ndarray]:

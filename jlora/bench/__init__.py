@@ -10,7 +10,7 @@
     jlora bench adapter-load       adapter_load.py: disk -> host -> device slot time of one adapter
     jlora bench dora-cost          dora_cost.py: the decoder with and without DoRA factors, one process
     jlora bench parallel           parallel.py: step time and tokens/s against TP x DP (forced CPU devices)
-    jlora bench tpu                tpu.py: on a TPU chip, against its HBM and MXU roofline (docs/tpu.md)
+    jlora bench tpu                tpu/: on a TPU chip, against its HBM and MXU roofline (docs/tpu.md)
     jlora bench tpu-compile        tpu_compile.py: the step graphs compiled for a v5e chip without one (libtpu)
     jlora bench prefix             prefix.py: a shared system prompt over 4 adapters, prefix cache on vs off
     jlora bench soak               soak.py: `jlora serve` under sustained mixed load, adapter churn, walk-aways

@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is None:
             p.error("--shape needs --model: where the checkpoint is (or goes)")
         if not (Path(args.model) / "config.json").is_file():
-            from jlora.bench.tpu import write_checkpoint
+            from jlora.bench.tpu.shapes import write_checkpoint
 
             print(f"writing a random {args.shape} checkpoint at {args.model}: "
                   f"{write_checkpoint(Path(args.model), args.shape):.1f} s", flush=True)

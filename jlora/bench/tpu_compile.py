@@ -118,15 +118,15 @@ def build_llm(shape: str, ckpt_dir: Path, lora_cond: str = "auto", **engine: Any
     """LLM() on a random checkpoint of `shape`, built as on a TPU (the bench's TPU engine sizes),
     without warm-up: nothing is compiled for the CPU."""
     from jlora import LLM
-    from jlora.bench.tpu import SHAPES, write_checkpoint
-    from jlora.models import llama
+    from jlora.bench.tpu.shapes import SHAPES, write_checkpoint
+    from jlora.tuning import TuningOptions
 
     if not (ckpt_dir / "config.json").exists():
         write_checkpoint(ckpt_dir, shape)
     elif json.loads((ckpt_dir / "config.json").read_text()).get("hidden_size") != SHAPES[shape]["hidden_size"]:
         raise ValueError(f"{ckpt_dir} holds a checkpoint of another shape than {shape}")
-    llama.LORA_COND = None if lora_cond == "auto" else lora_cond
-    kw = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024,
+    kw = dict(tuning=TuningOptions(lora_cond=None if lora_cond == "auto" else lora_cond),
+              dtype="bfloat16", max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024,
               token_buckets=(32, 128, 1024), decode_row_buckets=(1, 64), max_loras=4, max_lora_rank=16,
               block_size=128, attn_impl="pallas", attn_chunk=1024, base_graphs="decode", num_kv_blocks=1024)
     kw.update(engine)
@@ -179,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from jlora.bench.tpu import SHAPES
-    from jlora.models import llama
+    from jlora.bench.tpu.shapes import SHAPES
 
     device = compile_only_device(args.topology)
     shape = args.shape
@@ -190,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.dir or tmp) / f"ckpt-{shape}"
         llm = build_llm(shape, ckpt, args.lora_cond)
-        with tracing_as_tpu():
-            cond = llama.lora_cond()
+        cond = llm.config.tuning.resolved_lora_cond("tpu")
         rows = compile_step_graphs(llm, device, set(args.graphs.split(",")) if args.graphs else None,
                                    Path(args.hlo_dir) if args.hlo_dir else None)
     report = dict(jax=jax.__version__, device=str(device), shape=shape, config=SHAPES[shape], lora_cond=cond,

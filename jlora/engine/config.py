@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jlora.sampling_params import DEFAULT_MAX_N
+from jlora.tuning import TuningOptions
 
 
 def geometric_buckets(lo: int, hi: int, factor: int = 4) -> tuple[int, ...]:
@@ -56,8 +57,9 @@ class EngineConfig:
     block_size: int = 16  # KV cache positions per block
     num_kv_blocks: int | None = None  # KV capacity; None = max_num_seqs full-length sequences
     token_buckets: tuple[int, ...] | None = None  # prefill chunk lengths; None = 32, 128, ... (x4) up to the chunk
-    # Key positions attention reads per loop iteration; None = 128 for the XLA loop, 512 for the
-    # Pallas kernel (a v5e chip, 64 rows at 1K context: 552 us at 128, 356 us at 512; docs/tpu.md).
+    # Key positions attention reads per loop iteration; None = 128 for the XLA loop, and for the
+    # Pallas kernel `paged_attention_tpu.default_chunk`: 1,024 where a chunk's K and V buffers fit
+    # 4 MiB of VMEM (rows of 1 KB or less, as at the 1B shape), else 512 (docs/tpu.md).
     attn_chunk: int | None = None
     attn_impl: str = "auto"  # ATTN_IMPLS
     # Plan and launch step n+1 before step n's tokens reach the host (vLLM's --async-scheduling);
@@ -81,10 +83,24 @@ class EngineConfig:
     # for every row of its LoRA graph (rows without an adapter read zeros); one without skips the
     # LoRA math of an adapter-free step with conditionals, which on a v5e chip cost more than the
     # math (a one-row layer pass: 2.80 ms without slots, 4.42 with them and no adapter token, 3.19
-    # computing LoRA for every row; docs/tpu.md, fifth pass). Outputs do not change.
+    # computing LoRA for every row; v5e, 2026-12-06). Outputs do not change.
     base_graphs: str = "none"
+    # How the step graphs are built and prefill shapes chosen (jlora.tuning): performance only,
+    # outputs do not change. Part of the stored executables' key.
+    tuning: TuningOptions = TuningOptions()
+    # Size the KV cache to this share of the device's memory (its allocator's bytes_limit) once the
+    # weights are placed, less the LoRA slots: num_kv_blocks is what is left (vLLM's
+    # gpu_memory_utilization); the rest of the memory is the steps' temporaries. None: num_kv_blocks
+    # (default max_num_seqs full-length sequences). A backend without a memory limit (XLA:CPU) keeps
+    # that default. LLM() does the sizing (jlora.engine.kv_plan.size_kv_cache).
+    kv_cache_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
+        f = self.kv_cache_memory_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"EngineConfig.kv_cache_memory_fraction must be None or in (0, 1], got {f!r}")
+        if not isinstance(self.tuning, TuningOptions):
+            raise ValueError(f"EngineConfig.tuning must be a jlora.tuning.TuningOptions, got {self.tuning!r}")
         if self.max_cpu_loras is None and isinstance(self.max_loras, int):
             object.__setattr__(self, "max_cpu_loras", default_max_cpu_loras(self.max_loras))
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_loras",

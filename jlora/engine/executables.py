@@ -2,17 +2,17 @@
 
 JAX's persistent compile cache skips XLA's compile but not the Python tracing and lowering that
 compute its key: on a v5e host 3.7 s of a 17.9 s warm start for the two graphs `LLM()` waits for
-(docs/tpu.md, eighth pass). This store keeps each compiled step graph
+(v5e, 2026-12-06). This store keeps each compiled step graph
 (`jax.experimental.serialize_executable`) under a key of everything its trace depends on, so a
 later start of the same engine loads it without tracing it:
 
     <root>/<fingerprint>/<graph>.pkl    the executable, its argument and output trees, and how the
                                         host unpacks its outputs (the layout the trace recorded)
 
-The fingerprint hashes jlora's own source files, the versions of Python, JAX, jaxlib, Flax and
-NumPy, the platform and its version (libtpu's build), the devices, `XLA_FLAGS` / `LIBTPU_INIT_ARGS`,
-JAX's configuration, the trace-time switches of jlora's modules (upper-case module constants, which
-the benches set), the model's config, dtype and quantization and the engine's config. Anything else
+The fingerprint hashes jlora's version and its source files' bytes, the versions of Python, JAX,
+jaxlib, Flax and NumPy, the platform and its version (libtpu's build), the devices, `XLA_FLAGS` /
+`LIBTPU_INIT_ARGS`, JAX's configuration, the model's config, dtype and quantization and the engine's
+config, whose `tuning` (jlora.tuning) holds every switch a trace reads. Anything else
 a graph could depend on is checked when it is used: a loaded executable whose argument shapes,
 dtypes or shardings differ from the runner's is dropped and the graph compiled as usual. An
 unreadable or stale file is a miss, never an error.
@@ -28,13 +28,11 @@ and the graphs compile as usual).
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import logging
 import os
 import pickle
 import platform
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,9 +49,6 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 ENV = "JLORA_EXECUTABLE_CACHE"
 _PACKAGE = Path(__file__).resolve().parents[1]  # the jlora package
-# The packages a step's trace reads: their loaded modules' upper-case constants are in the
-# fingerprint (the front ends' and benches' are not, so a server and a script share graphs).
-_TRACED = ("jlora.kernels", "jlora.models", "jlora.engine", "jlora.adapters", "jlora.sampling")
 _SIMPLE = (bool, int, float, str, bytes, type(None))
 
 
@@ -102,61 +97,6 @@ def _stable(value: Any) -> str | None:
     return None
 
 
-_switch_defaults: dict[str, dict[str, Any]] | None = None
-
-
-def _parse(source: str, attempts: int = 5) -> ast.Module:
-    """`ast.parse`, again where CPython 3.11 reports "AST constructor recursion depth mismatch": its
-    AST-to-object depth counter is shared by threads, and `LLM()` parses while its import thread runs
-    (a test saw it once). The source is the same, so a parse that completes is the right one."""
-    for attempt in range(attempts):
-        try:
-            return ast.parse(source)
-        except SystemError as e:
-            if "recursion depth mismatch" not in str(e) or attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-def switch_defaults() -> dict[str, dict[str, Any]]:
-    """module -> {NAME: its literal value in the source} for the upper-case module constants of the
-    packages a trace reads (`_TRACED`): the switches, as the code sets them."""
-    global _switch_defaults
-    if _switch_defaults is None:
-        found: dict[str, dict[str, Any]] = {}
-        for f in sorted(_PACKAGE.rglob("*.py")):
-            module = ".".join(("jlora", *f.relative_to(_PACKAGE).with_suffix("").parts))
-            module = module.removesuffix(".__init__")
-            if not any(module == p or module.startswith(p + ".") for p in _TRACED):
-                continue
-            for node in _parse(f.read_text()).body:
-                target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else (
-                    node.target if isinstance(node, ast.AnnAssign) and node.value is not None else None)
-                if isinstance(target, ast.Name) and target.id.isupper():
-                    try:
-                        found.setdefault(module, {})[target.id] = ast.literal_eval(node.value)
-                    except ValueError:  # computed from other names: not a switch
-                        pass
-        _switch_defaults = found
-    return _switch_defaults
-
-
-def module_switches() -> list[str]:
-    """The switches (LORA_COND, PREFILL_STEP, ...) set to other values than the source's, as
-    `module.NAME=value`: a bench that sets one gets its own fingerprint. A module not imported yet
-    holds its defaults, so which modules a process has imported does not change the key."""
-    out = []
-    for module, defaults in switch_defaults().items():
-        loaded = sys.modules.get(module)
-        if loaded is None:
-            continue
-        for name, default in defaults.items():
-            value = getattr(loaded, name, default)
-            if value != default or type(value) is not type(default):
-                out.append(f"{module}.{name}={_stable(value) or repr(type(value))}")
-    return out
-
-
 def _jax_config() -> list[str]:
     skip = ("cache", "log", "traceback", "dir", "profil")
     out = []
@@ -173,21 +113,23 @@ def _versions() -> list[str]:
     import jaxlib
     import numpy
 
-    return [f"python={platform.python_version()}", f"jax={jax.__version__}", f"jaxlib={jaxlib.__version__}",
+    import jlora
+
+    return [f"jlora={jlora.__version__}", f"python={platform.python_version()}", f"jax={jax.__version__}", f"jaxlib={jaxlib.__version__}",
             f"flax={flax.__version__}", f"numpy={numpy.__version__}"]
 
 
 def fingerprint(devices: Iterable[Any], *parts: str) -> str:
     """The key of a runner's graphs: the code, the libraries, the platform and `devices`, the
-    environment's XLA options, JAX's configuration, jlora's switches and the caller's `parts` (the
-    model and engine configs). 32 hex digits."""
+    environment's XLA options, JAX's configuration and the caller's `parts` (the model's config and
+    the engine's, tuning options included). 32 hex digits."""
     devices = list(devices)
     client = devices[0].client
     raw = [f"jlora-executables-v{FORMAT_VERSION}", source_digest(), *_versions(),
            f"platform={client.platform} {client.platform_version}",
            "devices=" + ";".join(f"{d.id}:{d.device_kind}" for d in devices), f"processes={jax.process_count()}",
            *(f"{v}={os.environ.get(v, '')}" for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_PLATFORMS")),
-           *_jax_config(), *module_switches(), *parts]
+           *_jax_config(), *parts]
     return hashlib.sha256("\n".join(raw).encode()).hexdigest()[:32]
 
 

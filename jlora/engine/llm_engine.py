@@ -36,6 +36,7 @@ from jlora.engine.runner import ModelRunner, RowFailed
 from jlora.engine.scheduler import Scheduler
 from jlora.engine.structured import GrammarCompiler
 from jlora.engine.sequence import Request, Sequence, SeqState
+from jlora.engine.step_listener import StepListener
 from jlora.outputs import RequestOutput
 from jlora.sampling_params import SamplingParams
 
@@ -66,6 +67,24 @@ class EngineStats:
     prefill_tokens: int = 0  # tokens prefilled (prompts after their cached prefix, and recomputation)
 
 
+class _Phase:
+    """Times a block for the step listeners (`PHASES`); nothing without listeners."""
+
+    __slots__ = ("listeners", "name", "t0")
+
+    def __init__(self, listeners: list[StepListener], name: str):
+        self.listeners, self.name = listeners, name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter() if self.listeners else 0.0
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.listeners:
+            seconds = time.perf_counter() - self.t0
+            for listener in self.listeners:
+                listener.phase(self.name, seconds)
+
+
 class LLMEngine(Closable):
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, eos_token_id: int | None,
                  devices: Sequence[Any] | None = None):
@@ -89,6 +108,9 @@ class LLMEngine(Closable):
         self._async = config.async_scheduling if config.async_scheduling is not None else \
             jax.default_backend() == "tpu"
         self._inflight: tuple[Any, Any, bool] | None = None  # (plan, launched step, committed) ahead
+        # StepListeners (jlora.engine.step_listener), shared with the runner (launch and collect).
+        self._listeners: list[StepListener] = []
+        self.runner.listeners = self._listeners
         # Under jax.distributed every process must draw the same seeds (they feed one global step).
         self._seed_rng = random.Random(0 if jax.process_count() > 1 else None)
 
@@ -121,6 +143,31 @@ class LLMEngine(Closable):
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether steps are planned and launched ahead (`EngineConfig.async_scheduling`, resolved
+        for the backend). Settable while no step is launched ahead (`has_unfinished()` false): a
+        benchmark compares both on one engine's graphs."""
+        return self._async
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {on!r}")
+        if self._inflight is not None:
+            raise RuntimeError("async_scheduling cannot change while a step is launched ahead; finish the requests first")
+        self._async = on
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Tell `listener` about every step from now on: its phases' host seconds, each launch and
+        collect (jlora.engine.step_listener). Benchmarks and tracing use it."""
+        if not isinstance(listener, StepListener):
+            raise TypeError(f"listener must be a jlora.engine.step_listener.StepListener, got {type(listener).__name__}")
+        self._listeners.append(listener)
+
+    def remove_step_listener(self, listener: StepListener) -> None:
+        self._listeners.remove(listener)
 
     def stats(self) -> EngineStats:
         s, total = self.scheduler, self.config.num_kv_blocks
@@ -272,6 +319,18 @@ class LLMEngine(Closable):
         on the device. Outputs are the same tokens; a sequence that stops (EOS, a stop string)
         leaves at most one wasted row in the step already launched."""
         self._check_open()
+        if not self._listeners:
+            return self._step(finished_only)
+        for listener in self._listeners:
+            listener.step_started()
+        t0 = time.perf_counter()
+        try:
+            return self._step(finished_only)
+        finally:
+            for listener in self._listeners:
+                listener.step_finished(time.perf_counter() - t0)
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         touched: dict[str, Request] = {}
         outputs = lambda: [r.to_output() for r in touched.values() if r.finished or not finished_only]  # noqa: E731
         if self._inflight is not None:
@@ -290,7 +349,8 @@ class LLMEngine(Closable):
                     return outputs()
                 self._commit(plan)
                 self.output.record_prompt_logprobs(plan, out)
-                self._process(out, plan.sampled, touched)
+                with _Phase(self._listeners, "process"):
+                    self._process(out, plan.sampled, touched)
                 return outputs()
             try:
                 handle, committed = self.runner.launch(batch), False
@@ -316,7 +376,8 @@ class LLMEngine(Closable):
         if not committed:
             self._commit(plan)
         self.output.record_prompt_logprobs(plan, out)
-        self._process(out, plan.sampled, touched)
+        with _Phase(self._listeners, "process"):
+            self._process(out, plan.sampled, touched)
         self._inflight = ahead
         if self._inflight is not None and not self.scheduler.has_unfinished():
             self._drain()  # everyone finished: the step launched ahead carries only finished rows
@@ -326,12 +387,14 @@ class LLMEngine(Closable):
         """The next plan and its host arrays; a sequence whose row cannot be built fails alone and
         the rest are planned again. None when nothing can run."""
         while True:
-            plan = self.scheduler.schedule(self._is_live)
+            with _Phase(self._listeners, "schedule"):
+                plan = self.scheduler.schedule(self._is_live)
             if plan is None:
                 return None
             self.runner.write_slots(plan.slot_writes)  # before anything of the plan can fail: the slots are assigned
             try:
-                return plan, self.runner.build_batch(plan)
+                with _Phase(self._listeners, "build_batch"):
+                    return plan, self.runner.build_batch(plan)
             except RowFailed as f:
                 log.warning("request %s failed on the host: %s", f.seq.request_id, f)
                 self._fail(f.seq.request_id, str(f), touched)
@@ -348,8 +411,9 @@ class LLMEngine(Closable):
         """The plan's step ran: the scheduler books it, less sequences that finished meanwhile (a
         row launched ahead of its sequence's stop)."""
         live = lambda s: s.state is not SeqState.FINISHED  # noqa: E731
-        self.scheduler.commit(dataclasses.replace(plan, decode=[s for s in plan.decode if live(s)],
-                                                  prefill=[c for c in plan.prefill if live(c[0])]))
+        with _Phase(self._listeners, "commit"):
+            self.scheduler.commit(dataclasses.replace(plan, decode=[s for s in plan.decode if live(s)],
+                                                      prefill=[c for c in plan.prefill if live(c[0])]))
 
     def _can_look_ahead(self, plan: Any) -> bool:
         """Whether the step after `plan` can be planned before `plan`'s tokens are known: a decode-only

@@ -196,7 +196,7 @@ def resolve_attn_impl(impl: str, tp_size: int, kv_dtype: Any) -> str:
 
 
 def step_graph(weights, lora_state, cache, ints, floats, history, allowed, prev_tokens, *, layout, lora_impl,
-               attn_chunk, attn_impl, lora_skip=True, graphdef, weights_def, out_layouts, max_num_seqs):
+               attn_chunk, attn_impl, lora_skip=True, graphdef, weights_def, out_layouts, max_num_seqs, tuning):
     """One step (ModelRunner's `_step` jits it, the keyword arguments after `lora_skip` bound): the
     model over the packed batch, the sampler, and the outputs packed for one transfer. Records how
     the host unpacks them in `out_layouts` at trace time."""
@@ -214,7 +214,7 @@ def step_graph(weights, lora_state, cache, ints, floats, history, allowed, prev_
         groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"], runs=True))
     hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
                                   lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl,
-                                  lora_skip=lora_skip)
+                                  lora_skip=lora_skip, tuning=tuning)
     logits = model.logits(hidden[batch["sample_index"]])
     out = sample(logits, batch["sampling"])
     if batch["pre_positions"].shape[0]:
@@ -267,7 +267,8 @@ class ModelRunner:
         # jitted function holds no reference back to the runner, so a dropped engine frees its device
         # arrays and executables at once instead of at the cyclic collector's next full pass.
         self._step = jax.jit(functools.partial(step_graph, graphdef=self.graphdef, weights_def=self._weights_def,
-                                               out_layouts=self._out_layouts, max_num_seqs=config.max_num_seqs),
+                                               out_layouts=self._out_layouts, max_num_seqs=config.max_num_seqs,
+                                               tuning=config.tuning),
                              static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl", "lora_skip"),
                              donate_argnames=("cache",), **(shardings or {}))
         # ((R, P, Q), with LoRA) -> compiled step (EngineConfig.step_graphs)
@@ -293,6 +294,8 @@ class ModelRunner:
         # the graphs taken from it instead of compiled.
         self.executable_store: ExecutableStore | None = None
         self.loaded_graphs: set[tuple[tuple[int, int, int], bool]] = set()
+        # StepListeners told of each launch and collect (LLMEngine.add_step_listener shares its list).
+        self.listeners: list[Any] = []
 
     def _place(self, path: tuple[Any, ...], w: Any) -> jax.Array:
         """One weight on the mesh: in the shard-major column order and sharded by its name
@@ -324,6 +327,17 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return sum(x.nbytes for x in self.cache.values())
+
+    @property
+    def weights(self) -> tuple[jax.Array, ...]:
+        """The model's device arrays as the step graphs take them (int8 ones with their scales)."""
+        return tuple(self._weights)
+
+    @property
+    def compiled_graphs(self) -> dict[tuple[tuple[int, int, int], bool], Any]:
+        """((R, P, Q), with LoRA) -> its compiled step (`jax.stages.Compiled`: `as_text()`,
+        `memory_analysis()`), for the graphs compiled or loaded so far."""
+        return dict(self._executables)
 
     def empty_batch(self, shape: tuple[int, int, int]) -> dict[str, Any]:
         """Host arrays for one step with every row and token padding; the scheduler fills them in.
@@ -395,6 +409,7 @@ class ModelRunner:
         sampler's history and grammar mask only when some row uses them, else a resident default)
         and the outputs come back in one (`collect`): on a TPU host each transfer costs latency,
         and the ~24 arrays of a step, sent one by one, cost more than the device's decode step."""
+        t0 = time.perf_counter() if self.listeners else 0.0
         key = self.graph_of(batch)
         shape = key[0]
         sampling = dict(batch["sampling"])
@@ -410,7 +425,13 @@ class ModelRunner:
         self.graph_runs[key] += 1
         packed, tokens, self.cache = self._executables[key](self._weights, self.lora.state if key[1] else None,
                                                             self.cache, *dev)
-        return StepHandle(shape, packed, tokens)
+        handle = StepHandle(shape, packed, tokens)
+        if self.listeners:
+            seconds = time.perf_counter() - t0
+            for listener in self.listeners:
+                listener.phase("launch", seconds)
+                listener.launched(batch, handle, prev, t0)
+        return handle
 
     def graph_of(self, batch: dict[str, Any]) -> tuple[tuple[int, int, int], bool]:
         """The step graph (shape, with LoRA) a batch runs: the one without LoRA when no row has an
@@ -428,7 +449,18 @@ class ModelRunner:
 
     def collect(self, handle: StepHandle) -> dict[str, np.ndarray]:
         """Waits for a launched step; its outputs on the host, in one transfer."""
-        return unpack_outputs(fetch(handle.packed), self._out_layouts[handle.shape])
+        if not self.listeners:
+            return unpack_outputs(fetch(handle.packed), self._out_layouts[handle.shape])
+        t0 = time.perf_counter()
+        handle.packed.block_until_ready()
+        t1 = time.perf_counter()
+        out = unpack_outputs(fetch(handle.packed), self._out_layouts[handle.shape])
+        t2 = time.perf_counter()
+        for listener in self.listeners:
+            listener.phase("wait_device", t1 - t0)
+            listener.phase("read_outputs", t2 - t1)
+            listener.collected(handle, t0, t2)
+        return out
 
     def _defaults(self, rows: int, history_len: int, mask_words: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Device-resident "nothing" inputs: a history of -1 (no penalties), an all-allowed grammar
@@ -461,6 +493,15 @@ class ModelRunner:
         return args, dict(layout=layout, lora_impl=self.config.lora_impl, attn_chunk=self.attn_chunk,
                           attn_impl=self.attn_impl, lora_skip=shape not in self._base_shapes)
 
+    def lower(self, key: tuple[tuple[int, int, int], bool]) -> Any:
+        """The step graph `key` traced and lowered (a `jax.stages.Lowered`: `.as_text()` is its
+        StableHLO), as warm-up compiles it, with this engine's config and tuning options."""
+        args, static = self.step_inputs(key)
+        # Abstract arguments: a background warm-up lowers while steps donate the cache it would
+        # otherwise hold (and the shapes and shardings are all a lowering reads).
+        with jax.default_matmul_precision(self.matmul_precision):
+            return self._step.lower(*jax.tree.map(_abstract, args), **static)
+
     def _compile(self, keys: list[tuple[tuple[int, int, int], bool]], progress: bool = False,
                  stage: str = "step", stop: threading.Event | None = None) -> None:
         """Trace and lower each graph ((shape, with LoRA): Python, one at a time), then compile them on
@@ -481,11 +522,7 @@ class ModelRunner:
         for key in keys:
             if stop is not None and stop.is_set():
                 return
-            args, static = self.step_inputs(key)
-            # Abstract arguments: a background warm-up lowers while steps donate the cache it would
-            # otherwise hold (and the shapes and shardings are all a lowering reads).
-            with jax.default_matmul_precision(self.matmul_precision):
-                lowered[key] = self._step.lower(*jax.tree.map(_abstract, args), **static)
+            lowered[key] = self.lower(key)
         t1 = time.perf_counter()
 
         def build(key: tuple[tuple[int, int, int], bool]) -> None:

@@ -29,12 +29,6 @@ from jlora.engine.prefix_cache import PrefixCache, extend_hashes, root_hash
 from jlora.engine.sequence import Sequence, SeqState
 
 STEP_COST_TOKENS = 64  # a step's weight pass costs about as much as this many tokens' compute (SmolLM2, 2 cores)
-# A prefill shape with fewer sequences wins when it carries at least (1 - this) of the best
-# shape's prompt tokens per token computed: its prompts finish, and start decoding, sooner (64
-# prompts of 1,024 tokens: one a step, not 32 x 32 tokens each of 32 steps). Measured on the chip
-# with `jlora bench tpu --prefill-slack`; None: the best yield only, the first shape of equals.
-# Read at each step.
-PREFILL_SLACK: float | None = 0.05
 
 
 @dataclasses.dataclass
@@ -66,6 +60,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.prefix_cache = PrefixCache() if config.enable_prefix_caching else None
         self.kv = BlockAllocator(config.num_kv_blocks, self.prefix_cache)
+        # TuningOptions.prefill_slack: how prefill shapes are chosen. Read each step and changes no
+        # graph, so a bench may set it between workloads to compare policies on one engine.
+        self.prefill_slack: float | None = config.tuning.prefill_slack
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt (and recomputed) tokens prefilled: what prefix caching saves
         # Requests of a step that raised, oldest first: each runs alone for one step, and the one that
@@ -160,10 +157,11 @@ class Scheduler:
             useful = sum(min(q, s.total_len - s.num_computed) for s in take)
             options.append((useful / (p * q + self.config.max_num_seqs + STEP_COST_TOKENS), (p, q), take))
         best = max(o[0] for o in options)
-        if PREFILL_SLACK is None:
+        slack = self.prefill_slack
+        if slack is None:  # the best yield only, the first shape of equals
             near = [o for o in options if o[0] == best]
         else:  # the fewest sequences among the near-best, then the best yield among those
-            near = [o for o in options if o[0] >= best * (1 - PREFILL_SLACK)]
+            near = [o for o in options if o[0] >= best * (1 - slack)]
             fewest = min(len(o[2]) for o in near)
             near = [o for o in near if len(o[2]) == fewest]
             top = max(o[0] for o in near)

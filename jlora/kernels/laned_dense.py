@@ -72,7 +72,7 @@ def block_diagonal(
     lanes (S times the MXU work of the split expand, which at R <= 64 is still small) whose
     [T, O] result XLA can add to the base projection's output in one pass. The split expand
     writes S slices and concatenates them, [T, O] more than once: on a v5e chip 168 us a
-    layer for gate_up at a 1,088-token step (docs/tpu.md)."""
+    layer for gate_up at a 1,088-token step (2026-12-06)."""
     per_shard = sum(splits)
     col = jnp.arange(b.shape[-1]) % per_shard  # a column's place in its shard's block
     bounds = [0, *itertools.accumulate(splits)]

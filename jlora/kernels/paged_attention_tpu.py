@@ -16,7 +16,7 @@ waiting for its first copy). A page is [bs, KVH*Dh], one contiguous run of HBM, 
 once; a full chunk is waited for once for K and once for V (semaphores count bytes), a partial
 one page by page. Block tables, chunk ranges and page counts are scalar-prefetched into SMEM.
 Page size matters more than anything else here: on a v5e chip, 64 rows x 1,024 positions read at
-45% of HBM with 16-position pages and 61-72% with 32-256 (docs/tpu.md, third pass), which is why
+45% of HBM with 16-position pages and 61-72% with 32-256 (2026-12-06), which is why
 the engine's TPU default block size is a sixteenth of max_model_len. (Copying whole
 chunks instead read 512 positions for a 40-token sequence: on a v5e chip, 238 us of attention
 per layer for 64 such rows, 40% of a decode step's roofline -> 52% once only reached pages move.)
@@ -38,14 +38,14 @@ last page. On a v5e chip (64 rows, bf16, 128-position pages, 1,024-position chun
 every chunk took 64 x 256 positions from 170 to 149 us but 64 x 1,024 from 218 to 408 (a step
 costs more than its share of a whole chunk), hence steps only where a chunk is partial. A prefill
 program (hundreds of rows) takes a full chunk at once, and a partial one as one smaller block
-covering its copied pages (`PREFILL_ROUND`): rescaling its accumulator each step would cost more
+covering its copied pages (`AttentionOptions.prefill_round`): rescaling its accumulator each step would cost more
 than the empty rest it skips.
 
-`seqs_per_program` (an experiment, `jlora bench tpu --kernel-variants ...+seqsN`; default 1): a
+`AttentionOptions.seqs_per_program` (an experiment, `jlora bench tpu --kernel-variants ...+seqsN`; default 1): a
 decode program walks several sequences one after the other, each as a program would, so the
 grid's per-program cost (its q and output blocks' copies, the pipeline's steps) is paid once for
 several short sequences. At short contexts a program per sequence costs ~1.1-2.3 us (64 x 160-256
-positions, sixth pass) against ~0.3-0.6 us of DMA.
+positions, v5e, 2026-12-06) against ~0.3-0.6 us of DMA.
 
 `paged_attention_tpu(..., interpret=True)` runs on the CPU (tests/test_attention_tpu.py holds it
 against the reference); `jax.export` lowers it for platforms=["tpu"] without the chip.
@@ -63,12 +63,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jlora.kernels.attention import validate_attention_args
+from jlora.tuning import AttentionOptions
 
 NO_WINDOW = 1 << 30  # a window past any position
-# Query rows (queries x heads sharing a tile) per program. At the 1B shape's 1,024-token prefill (a
-# v5e chip) 256 rows (the VMEM budget's cap) took 254 us, 128 rows 284 and 512 (a raised VMEM
-# limit) 633.
-MAX_BLOCK_ROWS = 512
 # What a program's blocks may take of the scoped VMEM (16 MiB by default on a v5e), by
 # `vmem_estimate`. Measured on the chip: estimates of 9 MB compiled (1B shape, 512 rows, 512-position
 # chunks); 14 and 15 MB did not ("CompileTimeScopedVmemOom", 18.6-19.9 MB actually needed: the
@@ -78,23 +75,9 @@ DEFAULT_SCOPED_VMEM = 16 * 2**20  # Mosaic's scoped VMEM limit on a v5e unless v
 # Chunks of at most this many pages issue their DMAs as straight-line code (pl.when per page);
 # longer ones loop.
 UNROLL_PAGES = 16
-# Decode sequences a program walks (`seqs_per_program=None`); read at trace time. An experiment.
-SEQS_PER_PROGRAM = 1
 # Programs with at most this many query rows (decode: a query's heads) compute a chunk in steps.
 SMALL_PROGRAM_ROWS = 64
-# Positions a prefill program (more rows) computes a step where its chunk is partial, as decode
-# programs do; 0 or None (the default): whole chunks. An experiment, read at trace time (`jlora
-# bench tpu --attn-prefill-step`): 128-position steps took a 1,024-token prefill step from 46% to
-# 43% of a v5e's MXU (the rescaling outweighed the causal half they skip; docs/tpu.md, eighth pass).
-PREFILL_STEP: int | None = None
-# A prefill program's partial chunk (the last its queries reach: a causal prompt's early query blocks
-# see a few pages of it) is computed as one block of the smallest multiple of this many positions
-# (rounded up to whole pages) that covers the pages it copied, instead of the whole chunk: one
-# branch a size, no rescaling between steps (what made PREFILL_STEP lose). 0 or None: whole chunks.
-# Read at trace time (`jlora bench tpu --attn-prefill-round`, kernel variants `+roundN`). On a v5e
-# chip a 1,024-token prompt from position 0 took 278 us whole, 253-255 us with 128 or 256
-# (docs/tpu.md, eleventh pass).
-PREFILL_ROUND: int | None = 128
+DEFAULT_OPTIONS = AttentionOptions()
 
 
 def default_chunk(kd: int, itemsize: int) -> int:
@@ -102,7 +85,7 @@ def default_chunk(kd: int, itemsize: int) -> int:
     K and V double buffers (`vmem_estimate` without query rows) take at most 4 MiB of VMEM (a
     [bs, KVH*Dh] row of 1 KB or less, as at the 1B shape), else 512 (the 8B's 2 KB rows, whose
     prefill blocks need the room). On a v5e chip 1,024 took the 1B seed workload's decode step
-    from 9.93 to 9.33 ms (docs/tpu.md)."""
+    from 9.93 to 9.33 ms (2026-12-06)."""
     return 1024 if vmem_estimate(0, 1024, kd, itemsize) <= 4 * 2**20 else 512
 
 
@@ -125,16 +108,16 @@ def cache_lanes(kvh: int, dh: int) -> int:
     return kd if kd % 128 == 0 or 128 % dh else -(-kd // 128) * 128
 
 
-def compute_block(chunk: int, bs: int, rows: int) -> int:
+def compute_block(chunk: int, bs: int, rows: int, prefill_step: int | None = None) -> int:
     """Key positions per compute step of a program with `rows` query rows: a decode program (at
     most SMALL_PROGRAM_ROWS rows) computes a chunk in steps of at least 128 positions (whole
     pages), skipping those past its sequence's last page; a prefill program takes the chunk at
-    once (its rows' rescaling each step cost more than the causal rest it skips, measured with
-    PREFILL_STEP)."""
+    once (its rows' rescaling each step cost more than the causal rest it skips), or in steps of
+    `prefill_step` positions where that is set (`AttentionOptions.prefill_step`)."""
     if rows > SMALL_PROGRAM_ROWS:
-        if not PREFILL_STEP:
+        if not prefill_step:
             return chunk
-        return min(chunk, bs * -(-PREFILL_STEP // bs))
+        return min(chunk, bs * -(-prefill_step // bs))
     return min(chunk, bs * -(-128 // bs))
 
 
@@ -158,11 +141,11 @@ def vmem_estimate(rows: int, chunk: int, kd: int, itemsize: int) -> int:
 
 
 def query_block(nq: int, rows_per_query: int, sublanes: int, chunk: int = 0, kd: int = 0, itemsize: int = 2,
-                budget: int = VMEM_BUDGET, max_rows: int | None = None) -> int:
-    """Queries per program: the largest divisor of Q whose rows fit `max_rows` (None:
-    MAX_BLOCK_ROWS) and `budget` (`vmem_estimate`; chunk=0 skips that check) and tile the sublanes
-    (or all Q, which any block shape allows)."""
-    limit = MAX_BLOCK_ROWS if max_rows is None else max_rows
+                budget: int = VMEM_BUDGET, max_rows: int = DEFAULT_OPTIONS.max_block_rows) -> int:
+    """Queries per program: the largest divisor of Q whose rows fit `max_rows`
+    (`AttentionOptions.max_block_rows`) and `budget` (`vmem_estimate`; chunk=0 skips that check)
+    and tile the sublanes (or all Q, which any block shape allows)."""
+    limit = max_rows
 
     def fits(d: int) -> bool:
         rows = d * rows_per_query
@@ -345,8 +328,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
         jax.lax.fori_loop(0, seqs, one, 0)
 
 
-@partial(jax.jit, static_argnames=("chunk", "interpret", "vmem_limit", "bounds_checks", "sub_block",
-                                   "seqs_per_program", "kv_heads", "prefill_round", "max_rows", "trace_regions"))
+@partial(jax.jit, static_argnames=("chunk", "interpret", "kv_heads", "options"))
 def paged_attention_tpu(
     q: jax.Array,  # [B, Q, H, Dh]
     cache_k: jax.Array,  # [L, NB, bs, KVH*Dh], float32 / bfloat16 / float16
@@ -358,22 +340,8 @@ def paged_attention_tpu(
     *,
     chunk: int,  # key positions per DMA'd chunk, a multiple of bs
     interpret: bool | pltpu.InterpretParams | None = None,  # None: interpret unless running on a TPU
-    # Experiment knobs (jlora bench tpu --kernel-variants), not the engine's: Mosaic's scoped VMEM
-    # limit in bytes (None: its default, 16 MiB on a v5e; the query-block budget scales with it),
-    # and its DMA bounds checks (peers turn them off for many small DMAs).
-    vmem_limit: int | None = None,
-    bounds_checks: bool = True,
-    sub_block: int | None = None,  # positions a skippable compute step covers (None: `compute_block`)
-    # Decode (one query block a sequence): sequences a program walks one after the other, the
-    # largest divisor of B up to this (an experiment: fewer, longer programs at short contexts;
-    # None: SEQS_PER_PROGRAM, which `jlora bench tpu --attn-seqs-per-program` sets for an engine).
-    seqs_per_program: int | None = None,
     kv_heads: int | None = None,  # the model's KV heads where the cache row is padded (`cache_lanes`)
-    prefill_round: int | None = None,  # a prefill program's partial chunk rounded to this (None: PREFILL_ROUND)
-    max_rows: int | None = None,  # query rows a program takes at most (None: MAX_BLOCK_ROWS); an experiment
-    # Named scopes around the wait, scores, softmax, values and finish of each block, which Mosaic
-    # lowers to trace regions (`jlora bench tpu --kernel-profile`, variant `+regions`); off by default.
-    trace_regions: bool = False,
+    options: AttentionOptions = DEFAULT_OPTIONS,  # how the work is split (jlora.tuning); static
 ) -> jax.Array:  # [B, Q, H, Dh] in q's dtype, zeros for a padded query
     h_out = q.shape[2]
     if kv_heads is not None and kv_heads * q.shape[3] != cache_k.shape[-1]:
@@ -398,17 +366,18 @@ def paged_attention_tpu(
     nt = kd // lt
     rq = hpt * g  # rows per query in a tile: its heads in the tile x the query heads of each
     cdt = cache_k.dtype
+    if not isinstance(options, AttentionOptions):
+        raise ValueError(f"options must be a jlora.tuning.AttentionOptions, got {type(options).__name__}")
+    vmem_limit = options.vmem_limit
     budget = VMEM_BUDGET if vmem_limit is None else VMEM_BUDGET * vmem_limit // DEFAULT_SCOPED_VMEM
-    if max_rows is not None and max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1; got {max_rows}")
     qb = query_block(nq, rq, 16 if jnp.dtype(cdt).itemsize == 2 else 8, chunk, kd, jnp.dtype(cdt).itemsize, budget,
-                     max_rows)
+                     options.max_block_rows)
     nqb, rows = nq // qb, qb * rq
 
     # Each row: its query head's vector at its KV head's lanes of the tile, zeros elsewhere. Built
     # from [rows, Dh] slabs and lane concatenations: a 7-D einsum with an identity here made
     # XLA:TPU tile its (heads, Dh) minor axes and re-lay them out, ~200 us a layer at a
-    # 1,024-token prefill (more than the kernel itself; docs/tpu.md).
+    # 1,024-token prefill (more than the kernel itself; 2026-12-06).
     rows_q = (q.astype(jnp.float32) / math.sqrt(dh)).astype(cdt).reshape(bsz, nq, nt, hpt * g, dh)
     rows_q = rows_q.transpose(0, 2, 1, 3, 4).reshape(bsz, nt, nq * rq, dh)  # rows (query, head, group)
     head = (jnp.arange(nq * rq, dtype=jnp.int32) // g % hpt)[:, None]  # each row's head within its tile
@@ -430,21 +399,14 @@ def paged_attention_tpu(
     npages = (jnp.max(blocks, axis=2) + bs) // bs  # pages up to the furthest query (0: all padding)
 
     pages = chunk // bs
-    sub = compute_block(chunk, bs, rows) if sub_block is None else sub_block
+    sub = compute_block(chunk, bs, rows, options.prefill_step) if options.sub_block is None else options.sub_block
     if sub <= 0 or chunk % sub or (sub % bs and bs % sub):
-        raise ValueError(f"sub_block must divide the chunk {chunk} and be a multiple or a divisor of the block "
-                         f"size {bs}; got {sub}")
-    if seqs_per_program is None:
-        seqs_per_program = SEQS_PER_PROGRAM
-    if seqs_per_program < 1:
-        raise ValueError(f"seqs_per_program must be >= 1; got {seqs_per_program}")
-    if prefill_round is None:
-        prefill_round = PREFILL_ROUND
-    if prefill_round is not None and prefill_round < 0:
-        raise ValueError(f"prefill_round must be >= 0 (0: whole chunks); got {prefill_round}")
-    sizes = prefill_sizes(chunk, bs, rows, prefill_round)
-    seqs = 1 if nqb > 1 else max(d for d in range(1, min(seqs_per_program, bsz) + 1) if bsz % d == 0)
-    kernel = partial(_kernel, pages=pages, sub=sub, sizes=sizes, seqs=seqs, regions=trace_regions, blocks_per_seq=mb, n_qblocks=nqb,
+        raise ValueError(f"options.sub_block must divide the chunk {chunk} and be a multiple or a divisor of the "
+                         f"block size {bs}; got {sub}")
+    sizes = prefill_sizes(chunk, bs, rows, options.prefill_round)
+    seqs = 1 if nqb > 1 else max(d for d in range(1, min(options.seqs_per_program, bsz) + 1) if bsz % d == 0)
+    kernel = partial(_kernel, pages=pages, sub=sub, sizes=sizes, seqs=seqs, regions=options.trace_regions,
+                     blocks_per_seq=mb, n_qblocks=nqb,
                      n_programs=bsz * nqb, lane_tile=lt, n_tiles=nt)
     lead = None if seqs == 1 else seqs  # a squeezed sequence axis, or S sequences a block
     # Rows are written in q's dtype where they fill its sublane tiles (a prefill block: a bf16
@@ -473,7 +435,7 @@ def paged_attention_tpu(
             ],
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
-                                             vmem_limit_bytes=vmem_limit, disable_bounds_checks=not bounds_checks),
+                                             vmem_limit_bytes=vmem_limit, disable_bounds_checks=not options.bounds_checks),
         interpret=interpret,
         name="jlora_paged_attention",
     )(meta, block_tables.astype(jnp.int32).reshape(-1), lo.reshape(-1), hi.reshape(-1),

@@ -38,6 +38,7 @@ from jlora.kernels.paged_attention_tpu import paged_attention_tpu
 from jlora.models import quant
 from jlora.models.config import LORA_MODULES, PACKED_MODULES, LlamaConfig  # LORA_MODULES: PEFT names
 from jlora.models.tensor_parallel import split_packed
+from jlora.tuning import TuningOptions
 FUSED_MODULES = tuple(PACKED_MODULES)  # ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"): the GEMMs
 TRAINABLE_IMPLS = ("gather", "laned", "pallas")  # lora_delta implementations with a gradient
 KVCache = dict  # {"k": [L, num_blocks, block_size, KVH*Dh], "v": same}
@@ -97,31 +98,6 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps)
 
 
-# Where lora_linear slices a layer's slots out of the stacked [L, ...] arrays: "inside" the
-# conditional (a step without adapter tokens never reads them) or "before" it. On a v5e chip the
-# one-row step graph prefetched the whole stacked gate_up A into VMEM every layer with "inside"
-# (37.6 us a layer, 0.6 ms of a 4.9 ms step; docs/tpu.md, fourth pass); "before" reads one
-# layer's slots a layer, adapters or not. Which is faster is for the chip to say
-# (`jlora bench tpu --lora-slices`); read at trace time.
-LORA_SLICES = "inside"
-# What the LoRA conditional (a step without adapter tokens skips LoRA) returns: "pass" computes the
-# base projection before it and passes it through the branch without adapters; "inside" computes
-# the base projection inside both branches, so no [T, out] array passes through. XLA:TPU copies a
-# conditional's pass-through operand into its output buffer (the sampler's logits cost 0.26 ms a
-# step so; docs/tpu.md, sixth pass). With "inside" each branch slices the layer's weight from the
-# stacked [L, ...] weights itself: a slice made outside is passed into the conditional whole, and
-# XLA:TPU then writes it out (a copy of gate_up's 67 MB a layer in a compile for v5e). On a v5e chip
-# "inside" made 1,024-token prefill steps 47% / 44% of the MXU without / with 4 adapters against
-# 46% / 41% (docs/tpu.md, seventh pass). None: "inside" on a TPU, "pass" elsewhere (XLA:CPU was not
-# measured with it). `jlora bench tpu --lora-cond` sets it; read at trace time.
-LORA_COND: str | None = None
-
-
-def lora_cond() -> str:
-    """LORA_COND, resolved for this backend."""
-    return LORA_COND or ("inside" if jax.default_backend() == "tpu" else "pass")
-
-
 def layer_weight(stacked: Any, layer: jax.Array) -> Any:  # [L, ...] (arrays or QArrays) -> [...]
     return quant.widen(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), stacked))
 
@@ -129,7 +105,8 @@ def layer_weight(stacked: Any, layer: jax.Array) -> Any:  # [L, ...] (arrays or 
 def lora_linear(
     x: jax.Array,  # [T, in]
     kernel: jax.Array | quant.QArray | Callable[[], jax.Array | quant.QArray],  # [in, out], float or int8;
-    #   a function returning it: read where the projection is computed (inside LORA_COND's branches)
+    #   a function returning it: read where the projection is computed (inside the conditional's
+    #   branches with cond="inside")
     lora: dict[str, jax.Array] | tuple[dict[str, jax.Array], ...] | None,  # {"A": [N, in, R], "B": [N, R, out]}
     #   ([L, ...] with `layer`); a tuple of them for slot pools of several ranks; or None
     slot_ids: jax.Array,  # i32[T]
@@ -137,12 +114,17 @@ def lora_linear(
     enabled: jax.Array | None = None,  # bool scalar: False skips the LoRA term (no token has an adapter)
     layer: jax.Array | None = None,  # i32 scalar: which layer of stacked [L, N, ...] slots to use
     splits: tuple[int, ...] | None = None,  # packed module: out widths of its sub-modules (A is [.., in, S*R])
+    slices: str = "inside",  # where a layer's slots are sliced: "inside" the conditional or "before" it
+    cond: str = "pass",  # the conditional's base projection: "pass" (computed before it) or "inside" it
 ) -> jax.Array:  # [T, out]
+    """x @ W plus each token's own slot's LoRA term. `slices` and `cond` are
+    `jlora.tuning.TuningOptions.lora_slices` / `lora_cond` (resolved): how the graph is built, never
+    what it computes."""
     weight = kernel if callable(kernel) else lambda: kernel
     if lora is None:
         return quant.linear(x, weight())
     pools = lora if isinstance(lora, tuple) else (lora,)
-    if layer is not None and LORA_SLICES == "before":
+    if layer is not None and slices == "before":
         pools = tuple({k: jax.lax.dynamic_index_in_dim(v, layer, 0, keepdims=False) for k, v in p.items()}
                       for p in pools)
         layer = None
@@ -168,7 +150,7 @@ def lora_linear(
             return out
         return (out.astype(jnp.float32) * (1.0 + factor)).astype(y.dtype)
 
-    if enabled is not None and lora_cond() == "inside":
+    if enabled is not None and cond == "inside":
         return jax.lax.cond(enabled, lambda: with_delta(quant.linear(x, weight())), lambda: quant.linear(x, weight()))
     y = quant.linear(x, weight())
     return with_delta(y) if enabled is None else jax.lax.cond(enabled, lambda: with_delta(y), lambda: y)
@@ -278,14 +260,15 @@ class Llama(nnx.Module):
         attn_chunk: int = 128,
         attn_impl: str = "xla",  # "xla" or "pallas" (resolved by the caller; jlora.engine.config.ATTN_IMPLS)
         lora_skip: bool = True,  # False: LoRA for every token, no conditionals (see `_decoder`)
+        tuning: TuningOptions = TuningOptions(),  # how the graph is built (jlora.tuning), not what it computes
     ) -> tuple[jax.Array, KVCache]:  # hidden states [T, D] before the final norm, new cache
         """The serving step's forward: keys and values go to the paged cache, attention reads it."""
         if attn_impl not in ("xla", "pallas"):
             raise ValueError(f"attn_impl must be 'xla' or 'pallas' here, got {attn_impl!r}")
         cfg = self.cfg
         # (The kernel's cache rows may end in padding lanes: `cache_lanes`.)
-        attention = paged_attention if attn_impl == "xla" else partial(paged_attention_tpu,
-                                                                       kv_heads=cfg.num_key_value_heads)
+        attention = paged_attention if attn_impl == "xla" else partial(
+            paged_attention_tpu, kv_heads=cfg.num_key_value_heads, options=tuning.attention)
         h, dh = cfg.num_attention_heads, cfg.head_dim
         num_blocks, bs = cache["k"].shape[1:3]
         chunk = max(bs, attn_chunk // bs * bs)
@@ -328,7 +311,7 @@ class Llama(nnx.Module):
 
         x = quant.embed(quant.weight(self, "embed_tokens"), tokens)
         x, (ck, cv) = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend,
-                                    quant.to_bits((cache["k"], cache["v"])), lora_skip)
+                                    quant.to_bits((cache["k"], cache["v"])), lora_skip, tuning)
         return x, {"k": quant.like(ck, cache["k"]), "v": quant.like(cv, cache["v"])}
 
     def train_logits(
@@ -338,6 +321,7 @@ class Llama(nnx.Module):
         seq_slot_ids: jax.Array | None = None,  # i32[B]: each row's slot; None = slot 0 (or base without slots)
         *,
         lora_impl: str = "laned",
+        tuning: TuningOptions = TuningOptions(),
     ) -> jax.Array:  # f32[B, T, V]
         """A training forward: no KV cache, causal attention within each row, differentiable in
         `lora_state` (and the weights). Right padding needs no mask (causal: later tokens never
@@ -359,10 +343,11 @@ class Llama(nnx.Module):
             return out.reshape(bsz * t, h * dh), state
 
         x = quant.embed(quant.weight(self, "embed_tokens"), tokens.reshape(-1))
-        x, _ = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend, ())
+        x, _ = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend, (), tuning=tuning)
         return self.logits(x).reshape(bsz, t, -1)
 
-    def _decoder(self, x, positions, slot_ids, lora_state, lora_impl, attend, state, lora_skip=True):
+    def _decoder(self, x, positions, slot_ids, lora_state, lora_impl, attend, state, lora_skip=True,
+                 tuning: TuningOptions = TuningOptions()):
         """The decoder stack over x [T, D] as one scan over the layers. `attend(q, k, v, layer,
         window, state) -> (attention [T, H*Dh], state)` is the one part the serving step (paged
         KV cache) and the training forward (dense causal) do differently. `lora_skip`: a batch
@@ -399,9 +384,10 @@ class Llama(nnx.Module):
             windows = jnp.asarray([w or np.iinfo(np.int32).max // 2 for w in cfg.sliding_windows], jnp.int32)
 
         weights = quant.to_bits(self.layers.weights())
-        # LORA_COND "inside": the projections under a LoRA conditional slice their weights inside its
+        # lora_cond "inside": the projections under a LoRA conditional slice their weights inside its
         # branches (layer_weight); the scan slices the rest.
-        in_branch = set(pools[0]) if lora is not None and any_lora is not None and lora_cond() == "inside" else set()
+        cond = tuning.resolved_lora_cond(jax.default_backend())
+        in_branch = set(pools[0]) if lora is not None and any_lora is not None and cond == "inside" else set()
 
         def layer(carry, xs):
             x, state = carry
@@ -412,7 +398,7 @@ class Llama(nnx.Module):
             def linear(h: jax.Array, name: str) -> jax.Array:
                 kernel = (lambda: layer_weight(weights[name], i)) if name in in_branch else w[name]
                 return lora_linear(h, kernel, get(name), slot_ids, lora_impl, enabled=any_lora, layer=i,
-                                   splits=splits[name])
+                                   splits=splits[name], slices=tuning.lora_slices, cond=cond)
 
             y = rms_norm(x, w["input_layernorm"], eps)
             qkv = linear(y, "qkv_proj")

@@ -2,10 +2,14 @@
 
     write_random_checkpoint(path, "8b")   an HF directory (config.json, sharded safetensors + index),
                                           written one tensor at a time: an 8B checkpoint needs ~1 GB of RAM
+    write_random_checkpoint(path, bench_config("llama-3.1-8b"), fill="pool")
+                                          a benchmark's named shape, at the disk's speed
     measure_load(path, quantization=...)  the streaming loader on it: (model, {seconds, peak RSS, ...})
 
-The values are N(0, std) (norm weights 1), drawn in row blocks on threads, so only their shapes
-and dtypes are meaningful.
+The values are N(0, std) (norm weights 1), drawn in row blocks on threads (`fill="normal"`), or
+runs of one pool of such draws from random offsets (`fill="pool"`: no draw per value, so the 16 GB
+of an 8B checkpoint go at the disk's speed; rows repeat, which ties logits where that matters).
+Only their shapes and dtypes are meaningful.
 """
 
 from __future__ import annotations
@@ -30,6 +34,18 @@ LLAMA_SHAPES: dict[str, dict[str, Any]] = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}),
+}
+# The benchmarks' named shapes (`jlora bench tpu --shape`, the chip check, `jlora bench prefix`):
+# HF config fields with a word-level tokenizer's ids (`bench_config`). 1B and 3B with a 49,152-token
+# vocabulary, as docs/tpu.md's measurements were made; SmolLM2-135M's; "tiny" for CPU dry runs.
+NAMED_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {**{k: v for k, v in LLAMA_SHAPES["1b"].items() if k != "rope_scaling"}, "vocab_size": 49152},
+    "llama-3.2-3b": {**{k: v for k, v in LLAMA_SHAPES["3b"].items() if k != "rope_scaling"}, "vocab_size": 49152},
+    "llama-3.1-8b": {**{k: v for k, v in LLAMA_SHAPES["8b"].items() if k != "rope_scaling"}, "vocab_size": 128256},
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True),
 }
 _COMMON = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, rms_norm_eps=1e-5,
                rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
@@ -71,11 +87,49 @@ def random_config(shape: str | dict[str, Any]) -> dict[str, Any]:
     return {**_COMMON, **shape}
 
 
+def bench_config(shape: str | dict[str, Any]) -> dict[str, Any]:
+    """The config.json dict of a benchmark shape (`NAMED_SHAPES`, or HF fields given as a dict): no
+    rope scaling, 4,096 positions, bos 1 and eos 2 (`write_word_tokenizer`'s ids)."""
+    if isinstance(shape, str):
+        if shape not in NAMED_SHAPES:
+            raise ValueError(f"shape must be one of {sorted(NAMED_SHAPES)} or a dict of config.json fields, got {shape!r}")
+        shape = NAMED_SHAPES[shape]
+    return {**_COMMON, "max_position_embeddings": 4096, "rope_scaling": None, "bos_token_id": 1, "eos_token_id": 2,
+            **shape}
+
+
+POOL_VALUES = 1 << 24  # fill="pool": the draws every tensor is a run of (32 MB of bf16)
+
+
+class PoolTensor:
+    """`shape` values read from `pool` (wrapping around) from `start`: no draw per value."""
+
+    def __init__(self, shape: tuple[int, ...], pool: np.ndarray, start: int):
+        self.shape, self.dtype, self.pool, self.start = tuple(shape), pool.dtype, pool, start
+
+    def rows(self, index: Any = slice(None)) -> np.ndarray:
+        n = int(np.prod(self.shape, dtype=np.int64))
+        out = np.empty(n, self.dtype)
+        at, done = self.start, 0
+        while done < n:
+            piece = self.pool[at: at + n - done]
+            out[done: done + piece.size] = piece
+            done += piece.size
+            at = 0
+        return out.reshape(self.shape)[index]
+
+    def release(self) -> None:
+        pass
+
+
 def random_tensors(config: dict[str, Any], dtype: Any = "bfloat16", seed: int = 0,
-                   std: float = 0.02) -> dict[str, RandomTensor]:
-    """Every tensor of the HF checkpoint `config` describes, in HF names and [out, in] layout, not drawn yet."""
+                   std: float = 0.02, fill: str = "normal") -> dict[str, RandomTensor | PoolTensor]:
+    """Every tensor of the HF checkpoint `config` describes, in HF names and [out, in] layout, not drawn
+    yet: fresh N(0, std) draws (`fill="normal"`) or runs of one pool of them (`fill="pool"`)."""
     import ml_dtypes  # noqa: F401 (registers bfloat16 with NumPy)
 
+    if fill not in ("normal", "pool"):
+        raise ValueError(f"fill must be 'normal' or 'pool', got {fill!r}")
     dtype = np.dtype(dtype)
     d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     h, kvh = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
@@ -92,14 +146,23 @@ def random_tensors(config: dict[str, Any], dtype: Any = "bfloat16", seed: int = 
     shapes["model.norm.weight"] = ((d,), None)
     if not config.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = ((v, d), std)
+    if fill == "pool":
+        rng = np.random.default_rng(seed)
+        pool = (rng.standard_normal(POOL_VALUES, dtype=np.float32) * np.float32(std)).astype(dtype)
+        return {name: PoolTensor(shape, pool, int(rng.integers(0, POOL_VALUES))) if s is not None
+                else RandomTensor(shape, dtype, 0, None) for name, (shape, s) in shapes.items()}
     return {name: RandomTensor(shape, dtype, seed * 100003 + j, s) for j, (name, (shape, s)) in enumerate(shapes.items())}
 
 
 def write_random_checkpoint(path: str | os.PathLike, shape: str | dict[str, Any] = "1b", dtype: Any = "bfloat16",
-                            seed: int = 0, max_shard_bytes: int = 5 * 10**9) -> Path:
+                            seed: int = 0, max_shard_bytes: int = 5 * 10**9, fill: str = "normal",
+                            tokenizer: bool = False) -> Path:
     """An HF checkpoint directory of random weights: config.json, and the tensors in safetensors shards
     of at most `max_shard_bytes` (one file when they fit, else model-0000i-of-0000n.safetensors plus
-    model.safetensors.index.json, as transformers writes them). One tensor is in memory at a time."""
+    model.safetensors.index.json, as transformers writes them). One tensor is in memory at a time.
+    `fill`: see `random_tensors`. `tokenizer`: also a word-level tokenizer over the vocabulary
+    (`write_word_tokenizer`). config.json is written last, so a checkpoint cut off half way is
+    never taken for a whole one."""
     from jlora.formats import write_safetensors
 
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
@@ -108,7 +171,7 @@ def write_random_checkpoint(path: str | os.PathLike, shape: str | dict[str, Any]
     path.mkdir(parents=True, exist_ok=True)
     config = random_config(shape)
     config["torch_dtype"] = np.dtype(dtype).name
-    tensors = random_tensors(config, dtype, seed)
+    tensors = random_tensors(config, dtype, seed, fill=fill)
     shards: list[dict[str, RandomTensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -125,6 +188,8 @@ def write_random_checkpoint(path: str | os.PathLike, shape: str | dict[str, Any]
         index = {"metadata": {"total_size": sum(nbytes(t) for t in tensors.values())},
                  "weight_map": {t: name for name, shard in zip(names, shards) for t in shard}}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    if tokenizer:
+        write_word_tokenizer(path, config["vocab_size"])
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
 

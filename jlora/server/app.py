@@ -161,9 +161,10 @@ class OpenAIServer:
         async with self._load_locks[name]:
             if name in self.adapters:
                 raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-            lr = LoRARequest(name, next(self._lora_ids), str(self.confined_path(body.lora_path)))
+            path = self.confined_path(body.lora_path)
             adapters = self.llm.engine.adapters
             try:
+                lr = LoRARequest(name, next(self._lora_ids), str(path))  # checks the directory
                 await asyncio.wrap_future(adapters.prepare_async(lr))  # off the engine thread
             except (ValueError, FileNotFoundError, ImportError, OSError) as e:
                 raise APIError(400, f"could not load adapter {name!r}: {e}", param="lora_path") from e
