@@ -71,8 +71,8 @@ def test_malformed_adapter_config_before_loading(tmp_path, capsys, no_model):
     line = _error(["generate", "hi", "--lora", str(bad)], capsys)
     assert "--lora: malformed" in line and "adapter_config.json" in line
 
-    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "use_dora": True}))
-    assert "use_dora" in _error(["generate", "hi", "--lora", str(bad)], capsys)
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_bias": True}))
+    assert "lora_bias" in _error(["generate", "hi", "--lora", str(bad)], capsys)
 
     (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 0}))
     assert "r=0 must be a positive integer" in _error(["generate", "hi", "--lora", str(bad)], capsys)
@@ -191,6 +191,7 @@ def test_verbose_prints_timings(capsys, monkeypatch):
     (["bench", "prefix", "--requests", "8"], "prefix", ["--requests", "8"]),
     (["bench", "tpu-compile", "--shape", "tiny"], "tpu_compile", ["--shape", "tiny"]),
     (["bench", "soak", "--rate", "1"], "soak", ["--rate", "1"]),
+    (["bench", "dora-cost", "--reps", "3"], "dora_cost", ["--reps", "3"]),
 ])
 def test_bench_dispatch_reaches_each_benchmark(monkeypatch, argv, module, rest):
     import importlib
@@ -199,7 +200,7 @@ def test_bench_dispatch_reaches_each_benchmark(monkeypatch, argv, module, rest):
 
     assert sorted(jlora.bench.BENCHMARKS.values()) == sorted(
         ["workload", "start", "kernels", "serve", "adapters", "lora_cost", "decode_step", "adapter_load",
-         "parallel", "tpu", "tpu_compile", "prefix", "soak"])
+         "parallel", "tpu", "tpu_compile", "prefix", "soak", "dora_cost"])
     seen = []
     for name in jlora.bench.BENCHMARKS.values():
         mod = importlib.import_module(f"jlora.bench.{name}")

@@ -87,7 +87,10 @@ def decode(meta: dict[str, Any], tensors: dict[str, np.ndarray], model_cfg: Llam
 
 
 def write_entry(root: Path, key: str, adapter: LoRAAdapter) -> Path | None:
-    """Write `adapter` under `<root>/<key>` atomically; None (logged) when it could not be written."""
+    """Write `adapter` under `<root>/<key>` atomically; None (logged) when it could not be written.
+    DoRA adapters are not cached (the entry format holds A and B only): None, and they convert again."""
+    if adapter.is_dora:
+        return None
     tensors = {}
     for m, (a, b) in adapter.weights.items():
         tensors[f"{m}.A"] = np.ascontiguousarray(a, np.float32)

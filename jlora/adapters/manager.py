@@ -3,7 +3,10 @@
 All slots live in one fixed-shape pytree (docs/engine.md, "The rooms of a step"), one entry per packed module
 (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`; S sub-modules each):
 
-    lora_state[packed module] = {"A": [L, N, in, S*R], "B": [L, N, R, out]}
+    lora_state[packed module] = {"A": [L, N, in, S*R], "B": [L, N, R, out], "M": f32[L, N, out]}
+
+("M": each slot's DoRA factor minus one per output column, computed by `set_slot` from a DoRA
+adapter's magnitudes and the base weights, zeros otherwise; jlora.adapters.dora.)
 
 `padded_update` lays an adapter's per-module (PEFT) weights out that way: sub-module s's A in
 lanes [s*R, s*R + r), its B in rows [0, r) of its own output columns, zeros elsewhere.
@@ -59,6 +62,7 @@ from jax import lax
 
 from jlora import compile_stats
 from jlora.adapters import disk_cache as dc
+from jlora.adapters.dora import dora_factor
 from jlora.adapters.peft import (
     ADAPTER_CONFIG, BIN_FILE, JLORA_ADAPTER_META, SAFETENSORS_FILE, LoRAAdapter, convert_peft_state_dict,
     is_jlora_adapter_dir, read_adapter,
@@ -80,32 +84,62 @@ class NoFreeSlotError(RuntimeError):
 # ---- the one jitted write -----------------------------------------------------------------------------
 
 
-def _set_slot_impl(lora_state: LoRAState, slot: jax.Array, update: dict[str, dict[str, jax.Array]]) -> LoRAState:
+def _set_slot_impl(lora_state: LoRAState, slot: jax.Array, update: dict[str, dict[str, jax.Array]],
+                   base: dict[str, Any] | None = None, splits: tuple = ()) -> LoRAState:
+    """`base`: packed module -> the base weight [L, in, out] (DoRA's norm reads it); `splits`:
+    ((packed module, its sub-modules' widths or None), ...), static."""
+    widths = dict(splits)
     out = {}
     for m, s in lora_state.items():
         out[m] = {}
         for k in ("A", "B"):
             u = update[m][k]  # [L, in, S*R] / [L, R, out]
             out[m][k] = lax.dynamic_update_slice(s[k], u[:, None].astype(s[k].dtype), (0, slot, 0, 0))
+        if "M" in s:  # DoRA: the factor - 1 per output column ([L, N, out]), from the magnitudes
+            mag = update[m]["M"]
+            f = (jnp.zeros(mag.shape, jnp.float32) if base is None
+                 else dora_factor(base[m], update[m]["A"], update[m]["B"], mag, widths.get(m)))
+            out[m]["M"] = lax.dynamic_update_slice(s["M"], f[:, None].astype(s["M"].dtype), (0, slot, 0))
     return out
 
 
-_set_slot_jit = jax.jit(_set_slot_impl, donate_argnums=(0,))
+_set_slot_jit = jax.jit(_set_slot_impl, donate_argnums=(0,), static_argnames=("splits",))
 
 
 def set_slot(
-    lora_state: LoRAState,  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}; donated
+    lora_state: LoRAState,  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out], "M": f32[L, N, out]}; donated
     slot: int | jax.Array,  # i32 scalar in [0, N)
-    update: dict[str, dict[str, Any]],  # packed module -> {"A": [L, in, S*R], "B": [L, R, out]} (padded_update)
+    update: dict[str, dict[str, Any]],  # packed module -> {"A": [L, in, S*R], "B": [L, R, out], "M": [L, out]}
+    model: Any = None,  # the Llama whose weights DoRA's norm reads (needed for a DoRA update only)
 ) -> LoRAState:
     """Write `update` into slot `slot` of `lora_state`; returns the new state (the old one is deleted).
 
     One compiled graph for every slot and adapter: the slot is traced and shapes never change.
     Every module of `lora_state` must be in `update` (zeros for modules an adapter lacks), so a
     write also clears what the slot held before. Host arrays are cast to the state's dtype first.
+    A DoRA update (`padded_update` of a DoRA adapter: magnitudes in "M") needs `model`, whose
+    base weights the slot's DoRA factor is computed from (jlora.adapters.dora).
     """
     slot, upd = _checked_write(lora_state, slot, update)
-    return _set_slot_jit(lora_state, slot, upd)
+    if model is None:
+        if any(np.any(~np.isnan(np.asarray(u["M"]))) for u in upd.values() if "M" in u):
+            raise ValueError("set_slot: this update carries DoRA magnitudes; pass model= (the base model whose "
+                             "weights the DoRA norm is taken of)")
+        return _set_slot_jit(lora_state, slot, upd)
+    return _set_slot_jit(lora_state, slot, upd, base_weights(model, lora_state),
+                         splits=packed_splits(model.cfg, getattr(model, "layout_shards", 1)))
+
+
+def base_weights(model: Any, lora_state: LoRAState) -> dict[str, Any]:
+    """The base weights of the packed modules `lora_state` holds, as the model keeps them."""
+    weights = model.layers.weights()
+    return {m: weights[m] for m in lora_state}
+
+
+def packed_splits(model_cfg: LlamaConfig, shards: int = 1) -> tuple:
+    """((packed module, its sub-modules' output widths per shard, or None for one module), ...)."""
+    return tuple((m, tuple(w // shards for w in outs) if len(outs) > 1 else None)
+                 for m, (_, outs) in model_cfg.packed_shapes().items())
 
 
 def _checked_write(lora_state: LoRAState, slot: Any, update: dict) -> tuple[Any, dict]:
@@ -123,9 +157,10 @@ def _checked_write(lora_state: LoRAState, slot: Any, update: dict) -> tuple[Any,
         slot = slot.astype(jnp.int32)
     upd = {}
     for m, s in lora_state.items():
-        u = update[m]
-        if set(u) != {"A", "B"}:
-            raise ValueError(f"set_slot: update[{m!r}] must have keys 'A' and 'B', got {sorted(u)}")
+        u = dict(update[m])
+        if set(u) - {"M"} != {"A", "B"}:
+            raise ValueError(f"set_slot: update[{m!r}] must have keys 'A', 'B' (and 'M', DoRA magnitudes), "
+                             f"got {sorted(u)}")
         want_a = s["A"].shape[:1] + s["A"].shape[2:]
         want_b = s["B"].shape[:1] + s["B"].shape[2:]
         if tuple(u["A"].shape) != want_a:
@@ -135,6 +170,15 @@ def _checked_write(lora_state: LoRAState, slot: Any, update: dict) -> tuple[Any,
             raise ValueError(f"set_slot: update[{m!r}]['B'] has shape {tuple(u['B'].shape)}, expected {want_b} "
                              f"[L, R, out] (padded_update lays an adapter out)")
         upd[m] = {k: _as_dtype(u[k], s[k].dtype) for k in ("A", "B")}
+        want_m = s["A"].shape[:1] + s["B"].shape[-1:]  # [L, out]
+        if "M" in u and tuple(u["M"].shape) != want_m:
+            raise ValueError(f"set_slot: update[{m!r}]['M'] has shape {tuple(u['M'].shape)}, expected {want_m} "
+                             f"[L, out] (DoRA magnitudes, NaN where none)")
+        if "M" in s:  # an update without magnitudes (a plain adapter) leaves no DoRA factor
+            upd[m]["M"] = _as_dtype(u["M"], jnp.float32) if "M" in u else np.full(want_m, np.nan, np.float32)
+        elif "M" in u and np.any(~np.isnan(np.asarray(u["M"]))):
+            raise ValueError(f"set_slot: update[{m!r}] carries DoRA magnitudes but lora_state[{m!r}] has no 'M' "
+                             f"(DoRA factor) array; make the state with init_lora_state")
     return slot, upd
 
 
@@ -158,9 +202,11 @@ def padded_update(
 ) -> dict[str, dict[str, np.ndarray]]:
     """Host arrays for `set_slot`: the packed layout of the LoRA state holding PEFT `modules`.
 
-    Per packed module {"A": [L, in, S*R], "B": [L, R, out]} with R = `max_rank`: sub-module s
-    (q, k, v of `qkv_proj`; gate, up of `gate_up_proj`) has its A in lanes [s*R, s*R + r) and its
-    B in rows [0, r) of its own output columns; what the adapter does not target stays zero.
+    Per packed module {"A": [L, in, S*R], "B": [L, R, out], "M": f32[L, out]} with R = `max_rank`:
+    sub-module s (q, k, v of `qkv_proj`; gate, up of `gate_up_proj`) has its A in lanes
+    [s*R, s*R + r) and its B in rows [0, r) of its own output columns; what the adapter does not
+    target stays zero. "M" holds a DoRA adapter's magnitudes in the same columns, NaN elsewhere
+    (and everywhere for a plain adapter).
     `adapter=None` gives all zeros (an empty slot).
     """
     shapes = model_cfg.packed_shapes()
@@ -173,6 +219,7 @@ def padded_update(
         d_in, outs = shapes[f]
         a = np.zeros((L, d_in, len(outs) * max_rank), dtype)
         b = np.zeros((L, max_rank, sum(outs)), dtype)
+        mag = np.full((L, sum(outs)), np.nan, np.float32)  # DoRA magnitudes; NaN: no DoRA in that column
         col = 0
         for s, (m, width) in enumerate(zip(PACKED_MODULES[f], outs)):
             if adapter is not None and m in adapter.weights:
@@ -180,8 +227,10 @@ def padded_update(
                 r = wa.shape[-1]
                 a[:, :, s * max_rank: s * max_rank + r] = wa
                 b[:, :r, col: col + width] = wb
+                if m in adapter.magnitudes:
+                    mag[:, col: col + width] = adapter.magnitudes[m]
             col += width
-        out[f] = {"A": a, "B": b}
+        out[f] = {"A": a, "B": b, "M": mag}
     return out
 
 
@@ -199,7 +248,8 @@ def slot_module(
     return a[:, :, s * r:(s + 1) * r], b[:, :, col:col + outs[s]]
 
 
-SlotUpdate = dict  # packed module -> {"A": [L, in, S*R], "B": [L, R, out]}, host arrays in the slots' storage dtype
+SlotUpdate = dict  # packed module -> {"A": [L, in, S*R], "B": [L, R, out]}, host arrays in the slots' storage
+#                    dtype, and "M": f32[L, out] DoRA magnitudes (NaN: none)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -222,7 +272,9 @@ class LoRASlots:
 
     def __init__(self, model_cfg: LlamaConfig, max_loras: int, max_lora_rank: int, dtype: Any = jnp.float32,
                  modules: tuple[str, ...] = LORA_MODULES, tp: TensorParallel | None = None,
-                 slot_ranks: Sequence[int] | None = None):
+                 slot_ranks: Sequence[int] | None = None, base: dict[str, Any] | None = None):
+        # `base`: packed module -> the base weight as the step reads it ([L, in, out], or a QArray),
+        # for DoRA's norm (jlora.adapters.dora); without it a DoRA write is refused.
         # Under tensor parallelism (`tp`) each slot array is sharded like its base layer and every
         # shard is written in place on its own device (jlora.models.tensor_parallel).
         self.tp = tp
@@ -238,6 +290,8 @@ class LoRASlots:
             else:
                 self.pools.append((i, 1, r))
         self._states = [self._zeros(model_cfg, n, r, dtype, tuple(modules)) for _, n, r in self.pools]
+        self.base = None if base is None else {m: base[m] for m in self._states[0]}
+        self.splits = packed_splits(model_cfg) if tp is None else packed_splits(tp.layout_cfg, tp.size)
         self.num_writes = 0
         self._writes: list[Any] = [None] * len(self.pools)  # each pool's compiled set_slot (warmup, or first write)
 
@@ -262,9 +316,10 @@ class LoRASlots:
             upd = {m: {k: jax.ShapeDtypeStruct(v.shape[:1] + v.shape[2:], v.dtype, sharding=self._update_sharding(m, k))
                        for k, v in s.items()} for m, s in state.items()}
             fn = _set_slot_jit if self.tp is None else jax.jit(
-                _set_slot_impl, donate_argnums=(0,), out_shardings=jax.tree.map(lambda x: x.sharding, state))
+                _set_slot_impl, donate_argnums=(0,), static_argnames=("splits",),
+                out_shardings=jax.tree.map(lambda x: x.sharding, state))
             with compile_stats.stage("set_slot"):
-                self._writes[p] = fn.lower(state, np.int32(0), upd).compile()
+                self._writes[p] = fn.lower(state, np.int32(0), upd, self.base, splits=self.splits).compile()
         return self._writes[p]
 
     def warmup(self) -> None:
@@ -276,7 +331,7 @@ class LoRASlots:
         """Free the slot arrays and the compiled writes (the runner's `close`)."""
         for x in jax.tree.leaves(self._states):
             x.delete()
-        self._states, self._writes = [], [None] * len(self.pools)
+        self._states, self._writes, self.base = [], [None] * len(self.pools), None
 
     def _pool_of(self, slot: Any) -> tuple[int, Any]:
         if len(self.pools) == 1:
@@ -297,10 +352,13 @@ class LoRASlots:
                 update = {m: {k: self.tp.layout_update(m, k, np.asarray(x)) for k, x in u.items()}
                           for m, u in update.items()} if set(update) == set(state) else update
             slot, upd = _checked_write(state, local, update)
+            if self.base is None and any(np.any(~np.isnan(np.asarray(u["M"]))) for u in upd.values() if "M" in u):
+                raise ValueError("set_slot: a DoRA update, but these slots were made without the base weights "
+                                 "(LoRASlots(base=...)) that its norm needs")
             if self.tp is not None:
                 upd = {m: {k: self.tp.put(x, lora_spec(m, k, self.tp.size, slot_axis=False)) for k, x in u.items()}
                        for m, u in upd.items()}
-            self._states[p] = self._compiled(p)(state, slot, upd)
+            self._states[p] = self._compiled(p)(state, slot, upd, self.base)
             self.num_writes += 1
 
 
@@ -312,13 +370,13 @@ def _narrow_rank(update: SlotUpdate, rank: int) -> SlotUpdate:
         a, b = np.asarray(u["A"]), np.asarray(u["B"])
         r = b.shape[1]
         if r == rank:
-            out[m] = {"A": a, "B": b}
+            out[m] = dict(u)
             continue
         if np.any(b[:, rank:]):
             raise ValueError(f"set_slot: the update for {m!r} uses more than the slot's {rank} lanes")
         subs = a.shape[-1] // r
         out[m] = {"A": np.ascontiguousarray(a.reshape(*a.shape[:-1], subs, r)[..., :rank].reshape(*a.shape[:-1], subs * rank)),
-                  "B": np.ascontiguousarray(b[:, :rank])}
+                  "B": np.ascontiguousarray(b[:, :rank]), **({"M": u["M"]} if "M" in u else {})}
     return out
 
 
@@ -725,7 +783,8 @@ class AdapterManager:
         needs no lock, and runs on the thread that prepares (the worker, for `prepare_async`)."""
         adapter = self._read_source(version, req)
         update = padded_update(adapter, self.model_cfg, self.max_lora_rank, self.modules, self.dtype)  # checks fit
-        update = {m: {k: _as_dtype(x, self._storage_dtype) for k, x in u.items()} for m, u in update.items()}
+        update = {m: {k: _as_dtype(x, np.float32 if k == "M" else self._storage_dtype) for k, x in u.items()}
+                  for m, u in update.items()}
         self._count("disk_loads")
         return AdapterHandle(version, adapter, update)
 

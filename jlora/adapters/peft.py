@@ -20,7 +20,11 @@ have the largest rank and the smaller layers are zero-padded, which is exact.
 lora_A/lora_B are always [r, in] / [out, r], and PEFT itself resets the flag for nn.Linear, so it
 changes nothing here.
 
-Anything that changes the math in a way jlora does not implement (DoRA, modules_to_save,
+DoRA (`use_dora=True`): each targeted module also has `...lora_magnitude_vector` [out], kept as
+`LoRAAdapter.magnitudes` (f32[L, out], NaN where a layer is not targeted). The slot write turns it
+into the per-column factor m / ||W + s B A|| (jlora.adapters.dora).
+
+Anything that changes the math in a way jlora does not implement (modules_to_save,
 trainable tokens, biases, embedding / lm_head LoRA, target_parameters, ...) is rejected with a
 ValueError that names the field or tensor.
 
@@ -56,7 +60,6 @@ JLORA_ADAPTER_VERSION = 1
 
 # Config fields that change the forward pass in ways jlora does not implement: reject when set.
 _UNSUPPORTED_FIELDS = {
-    "use_dora": "DoRA (weight-decomposed LoRA) is not supported",
     "modules_to_save": "full trained copies of modules (modules_to_save) are not supported",
     "trainable_token_indices": "trainable token embeddings are not supported",
     "lora_bias": "LoRA bias terms (lora_bias=true) are not supported",
@@ -74,6 +77,8 @@ _UNSUPPORTED_FIELDS = {
 _BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "lora_ga")
 
 _AB_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+# DoRA's magnitude: peft saves `lora_magnitude_vector` (in memory `lora_magnitude_vector.<adapter>.weight`).
+_MAG_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>magnitude_vector)(?:\.(?P<adapter>[^.]+))?(?:\.weight)?$")
 _LAYER_MODULE = re.compile(
     r"^(?P<prefix>(?:.*\.)?)layers\.(?P<idx>\d+)\."
     r"(?P<parent>self_attn|mlp)\.(?P<module>\w+)$"  # a module of MODULE_PARENT
@@ -89,13 +94,19 @@ class LoRAAdapter:
 
     weights: module -> (A f32[L, in, r_m], B f32[L, r_m, out]) with the PEFT scale folded into B;
     ranks: module -> r_m (the largest rank of that module over layers). Modules the adapter does
-    not target are absent; layers it does not target are zeros.
+    not target are absent; layers it does not target are zeros. magnitudes (DoRA only): module ->
+    f32[L, out], PEFT's lora_magnitude_vector per layer, NaN for layers the module has no DoRA in.
     """
 
     name: str
     ranks: dict[str, int]
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
     source: str = ""
+    magnitudes: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_dora(self) -> bool:
+        return bool(self.magnitudes)
 
     @property
     def rank(self) -> int:
@@ -108,7 +119,8 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values()) + sum(
+            m.nbytes for m in self.magnitudes.values())
 
     def validate(self, model_cfg: LlamaConfig, max_lora_rank: int | None = None,
                  holds: Sequence[str] | None = None) -> None:
@@ -132,6 +144,12 @@ class LoRAAdapter:
             if b.shape != (L, r, d_out):
                 raise ValueError(f"adapter {self.name!r}: {m}.B has shape {b.shape}, expected {(L, r, d_out)} "
                                  f"(layers, rank, out_features) for this base model")
+        for m, mag in self.magnitudes.items():
+            if m not in self.weights:
+                raise ValueError(f"adapter {self.name!r}: a DoRA magnitude for {m!r}, which has no LoRA weights")
+            if mag.shape != (L, shapes[m][1]):
+                raise ValueError(f"adapter {self.name!r}: {m} magnitude has shape {mag.shape}, expected "
+                                 f"{(L, shapes[m][1])} (layers, out_features) for this base model")
 
 
 # ---- reading PEFT files -----------------------------------------------------------------------------
@@ -339,7 +357,7 @@ def _reject_tensor(key: str, file: str | Path) -> ValueError:
     elif "lm_head" in key:
         why = "LoRA or trained weights on the output head (lm_head) are not supported"
     elif "lora_magnitude_vector" in key:
-        why = "DoRA magnitude vectors (use_dora) are not supported"
+        why = "DoRA magnitude vectors are supported on the decoder layers' linear modules only"
     elif "trainable_tokens" in key:
         why = "trainable token embeddings (trainable_token_indices) are not supported"
     elif "modules_to_save" in key:
@@ -429,8 +447,9 @@ def _convert(
     names: dict[tuple[int, str], str] = {}  # (layer, module) -> module's full name in the base model
     prefixes: set[str] = set()
     adapter_names: set[str] = set()
+    use_dora = bool(config.get("use_dora", False))
     for key, arr in tensors.items():
-        m = _AB_KEY.match(key)
+        m = _AB_KEY.match(key) or _MAG_KEY.match(key)
         module_name = m.group("module") if m else None
         if module_name is not None and module_name.startswith("base_model.model."):
             module_name = module_name[len("base_model.model."):]
@@ -449,6 +468,9 @@ def _convert(
                              f"not target (target_modules={config.get('target_modules')!r}, layers_to_transform="
                              f"{config.get('layers_to_transform')!r}, exclude_modules="
                              f"{config.get('exclude_modules')!r})")
+        if m.group("ab") == "magnitude_vector" and not use_dora:
+            raise ValueError(f"{file}: tensor {key!r} is a DoRA magnitude, but {config_name} has use_dora="
+                             f"{config.get('use_dora')!r}")
         slot = found.setdefault((idx, mod), {})
         if m.group("ab") in slot:
             raise ValueError(f"{file}: tensors {slot[m.group('ab')][0]!r} and {key!r} are both lora_{m.group('ab')} "
@@ -475,9 +497,13 @@ def _convert(
                 if ab not in found[(i, mod)]:
                     raise ValueError(f"{file}: module {full!r} has lora_{'B' if ab == 'A' else 'A'} but no "
                                      f"lora_{ab} tensor")
+            if use_dora and "magnitude_vector" not in found[(i, mod)]:
+                raise ValueError(f"{file}: module {full!r} has no lora_magnitude_vector tensor, which DoRA "
+                                 f"(use_dora=true in {config_name}) needs")
 
     # 3. Ranks, shapes and scale per (layer, module); then assemble [L, ...] stacks.
     per_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    mags: dict[str, np.ndarray] = {}  # DoRA: module -> [L, out], NaN where a layer is not targeted
     ranks: dict[str, int] = {}
     for (i, mod), ab in sorted(found.items()):
         full = names[(i, mod)]
@@ -493,6 +519,14 @@ def _convert(
                              f"(out_features={d_out} of the base model's {mod}, r={r} from {config_name})")
         if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
             raise ValueError(f"{file}: tensors of module {full!r} contain NaN or Inf")
+        if use_dora:
+            km, mag = ab["magnitude_vector"]
+            if mag.shape != (d_out,):
+                raise ValueError(f"{file}: tensor {km!r} has shape {tuple(mag.shape)}, expected {(d_out,)} "
+                                 f"(out_features of the base model's {mod})")
+            if not np.all(np.isfinite(mag)):
+                raise ValueError(f"{file}: DoRA magnitude {km!r} contains NaN or Inf")
+            mags.setdefault(mod, np.full((L, d_out), np.nan, np.float32))[i] = mag
         scale = lora_scale(r, alpha, use_rslora)
         per_module.setdefault(mod, {})[i] = (a.T.astype(np.float32), (b.T * np.float32(scale)).astype(np.float32))
         ranks[mod] = max(ranks.get(mod, 0), r)
@@ -510,7 +544,7 @@ def _convert(
             B[i, : b.shape[0], :] = b
         weights[mod] = (A, B)
     ranks = {m: ranks[m] for m in weights}
-    return LoRAAdapter(name=name, ranks=ranks, weights=weights, source=source)
+    return LoRAAdapter(name=name, ranks=ranks, weights=weights, source=source, magnitudes=mags)
 
 
 # ---- orbax save / load ------------------------------------------------------------------------------
@@ -519,6 +553,10 @@ def _convert(
 def save_adapter(adapter: LoRAAdapter, path: str | Path) -> None:
     """Write a converted adapter: jlora_adapter.json + an orbax checkpoint of its arrays."""
     import orbax.checkpoint as ocp
+
+    if adapter.is_dora:
+        raise ValueError(f"adapter {adapter.name!r} is a DoRA adapter: the converted format does not hold DoRA "
+                         f"magnitudes; serve its PEFT directory directly")
 
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)

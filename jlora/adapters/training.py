@@ -42,6 +42,8 @@ def peft_config(config: Mapping[str, Any] | Any) -> dict[str, Any]:
     if cfg.get("target_modules") is None:
         raise ValueError("config: target_modules is required (a list of module names, a regex or 'all-linear')")
     _check_config(cfg, "config")
+    if cfg.get("use_dora"):  # served (jlora.adapters.dora), not trained: no magnitude parameters here
+        raise ValueError("config: use_dora=True: training DoRA adapters is not supported (serving them is)")
     return cfg
 
 

@@ -11,6 +11,9 @@ than whole `generate` runs (`jlora bench lora-cost`), which also include prefill
 
 `--slot-ranks`: engines whose 4 slots have these ranks (`lora_slot_ranks`; "uniform": rank 32 each).
 
+`--dora-packages jlora`: for these packages also an engine whose 4 adapters are DoRA adapters
+(the same ranks, `use_dora`), so "mixed" there is a batch of DoRA rows (jlora.adapters.dora).
+
 `--packages jlora,jlora_old` times several copies of jlora in one process, calls interleaved
 (an older checkout copied under another package name, e.g. `git archive REV jlora` with every
 `jlora` import renamed), so before/after comparisons share the machine's load.
@@ -41,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated modes of `jlora bench` (float32, bfloat16, int8, int8-weight-only)")
     p.add_argument("--slot-ranks", default="uniform",
                    help="comma-separated slot configurations: 'uniform' or ranks joined by '/' (e.g. 8/8/16/32)")
+    p.add_argument("--dora-packages", default="",
+                   help="comma-separated packages to time with DoRA adapters too (a system named 'PKG dora')")
     args = p.parse_args(argv)
     configs = [None if c == "uniform" else tuple(int(r) for r in c.split("/")) for c in args.slot_ranks.split(",")]
 
@@ -50,10 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     paths = None
     calls = []  # (package, name, fn)
     modes = args.modes.split(",")
-    systems = [(pkg, ranks, mode) for pkg in args.packages.split(",") for ranks in configs for mode in modes]
+    dora_pkgs = [p for p in args.dora_packages.split(",") if p]
+    systems = [(pkg, ranks, mode, dora) for pkg in args.packages.split(",") for dora in (False, True)
+               if not dora or pkg in dora_pkgs for ranks in configs for mode in modes]
     names = [pkg + ("" if ranks is None else f"[{'/'.join(map(str, ranks))}]") + ("" if len(modes) == 1 else f" {mode}")
-             for pkg, ranks, mode in systems]
-    for (pkg, ranks, mode), sysname in zip(systems, names):
+             + (" dora" if dora else "") for pkg, ranks, mode, dora in systems]
+    dora_paths = None
+    for (pkg, ranks, mode, dora), sysname in zip(systems, names):
         mod = importlib.import_module(pkg)
         llm = mod.LLM(max_model_len=256, max_num_seqs=args.rows, max_num_batched_tokens=256, max_loras=4,
                       max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False,
@@ -61,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                       **({} if ranks is None else {"lora_slot_ranks": ranks}))
         eng = llm.engine
         paths = paths or write_adapters(root, eng.adapters.model_cfg)
+        if dora:
+            dora_paths = dora_paths or write_adapters(root, eng.adapters.model_cfg, dora=True)
         slots = [eng.adapters.acquire(eng.adapters.prepare(mod.LoRARequest(p.name, i + 1, str(p))))
-                 for i, p in enumerate(paths)]
+                 for i, p in enumerate(dora_paths if dora else paths)]
         eng.runner.write_slots(eng.adapters.take_writes())
         batch = eng.runner.empty_batch((args.rows, 0, 0))
         rng = np.random.default_rng(0)

@@ -33,9 +33,10 @@ from jlora.bench.peft_adapters import ALL_LINEAR, write_peft_adapter
 RANKS = (8, 16, 8, 32)
 
 
-def write_adapters(root: Path, cfg, ranks=RANKS) -> list[Path]:
-    """PEFT directories, one per rank, every linear layer targeted (see `peft_adapters`)."""
-    return [write_peft_adapter(root / f"cost{i}-r{r}", cfg, r, ALL_LINEAR, np.random.default_rng(i))
+def write_adapters(root: Path, cfg, ranks=RANKS, dora: bool = False) -> list[Path]:
+    """PEFT directories, one per rank, every linear layer targeted (see `peft_adapters`); `dora`: DoRA ones."""
+    kind = "dora" if dora else "cost"
+    return [write_peft_adapter(root / f"{kind}{i}-r{r}", cfg, r, ALL_LINEAR, np.random.default_rng(i), dora=dora)
             for i, r in enumerate(ranks)]
 
 

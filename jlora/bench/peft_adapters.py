@@ -18,8 +18,10 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def write_peft_adapter(path: Path, cfg: Any, rank: int, modules: tuple[str, ...], rng: np.random.Generator) -> Path:
-    """One adapter of `rank` on `modules` of every layer of the model `cfg` (a LlamaConfig), at `path`."""
+def write_peft_adapter(path: Path, cfg: Any, rank: int, modules: tuple[str, ...], rng: np.random.Generator,
+                       dora: bool = False) -> Path:
+    """One adapter of `rank` on `modules` of every layer of the model `cfg` (a LlamaConfig), at `path`.
+    `dora`: a DoRA adapter (use_dora), magnitudes ~ U(0.5, 1.5) per output feature."""
     from safetensors.numpy import save_file
 
     shapes = cfg.module_shapes()
@@ -30,10 +32,12 @@ def write_peft_adapter(path: Path, cfg: Any, rank: int, modules: tuple[str, ...]
             key = f"base_model.model.model.layers.{layer}.{'self_attn' if m in ATTENTION else 'mlp'}.{m}"
             tensors[f"{key}.lora_A.weight"] = rng.standard_normal((rank, d_in), np.float32) / np.sqrt(d_in)
             tensors[f"{key}.lora_B.weight"] = rng.standard_normal((d_out, rank), np.float32) * 0.01
+            if dora:
+                tensors[f"{key}.lora_magnitude_vector"] = rng.uniform(0.5, 1.5, d_out).astype(np.float32)
     path.mkdir(parents=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
         "target_modules": list(modules), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-        "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
+        "use_dora": dora, "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
     return path

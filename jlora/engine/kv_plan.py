@@ -41,6 +41,7 @@ def shape_bytes(cfg: dict[str, Any], dtype_bytes: int = 2, quantization: str = "
     head = 0 if tied else table
     weights = L * layer + embed + head + d * dtype_bytes + dh // 2 * 4  # + final norm, rotary table
     lora = L * max_loras * sum(i * s * rank + rank * o for i, s, o in packed.values()) * dtype_bytes
+    lora += L * max_loras * sum(o for _, _, o in packed.values()) * 4  # the f32 DoRA factors (jlora.adapters.dora)
     return dict(weights=weights, weights_read_per_step=weights - (0 if tied else embed), embedding=embed,
                 lora_slots=lora, kv_per_token=2 * L * kvh * dh * dtype_bytes)
 

@@ -218,6 +218,11 @@ class LLMEngine(Closable):
                                  f"{lora_request.lora_name!r}")
             # Converts now unless given (raises on a bad adapter); the request keeps this version to the end.
             handle = lora_handle or self.adapters.prepare(lora_request)
+            if handle.adapter.is_dora and lora_request.scale != 1.0:
+                # A slot's DoRA factor m / ||W + s B A|| is made for the adapter's own scale.
+                raise ValueError(f"LoRARequest.scale: adapter {lora_request.lora_name!r} is a DoRA adapter, whose "
+                                 f"column norms are computed for its own scale; scale={lora_request.scale} is not "
+                                 f"supported with DoRA (use 1.0)")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -249,6 +254,10 @@ class LLMEngine(Closable):
                 raise ValueError(f"lora_handle must be one handle per part of {combo.lora_name!r}, in order")
         else:
             handles = tuple(self.adapters.prepare(p) for p in combo.parts)
+        dora = [h.version[0] for h in handles if h.adapter.is_dora]
+        if dora:  # a combination's rows carry one weighted delta, not each part's DoRA factor
+            raise ValueError(f"lora_request {combo.lora_name!r}: DoRA adapters cannot be combined ({', '.join(dora)}); "
+                             f"serve them on their own")
         # Slot pools of several ranks (lora_slot_ranks): the largest part takes the largest slot, and so on.
         slot_ranks = sorted(self.adapters.slot_ranks, reverse=True)
         ranks = sorted((h.adapter.rank for h in handles), reverse=True)

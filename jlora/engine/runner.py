@@ -266,8 +266,10 @@ class ModelRunner:
         kvh, dh = self.layout_cfg.num_key_value_heads, self.layout_cfg.head_dim
         self.cache_lanes = cache_lanes(kvh, dh) if self.attn_impl == "pallas" else kvh * dh  # a cache row
         self.cache = self._zero_cache()
+        # The placed base weights go to the slots too: a DoRA write takes its norm of them.
         self.lora = LoRASlots(self.cfg, config.max_loras, config.max_lora_rank, model.dtype, tp=self.tp,
-                              slot_ranks=config.slot_ranks)
+                              slot_ranks=config.slot_ranks,
+                              base=nnx.merge(self.graphdef, self.state).layers.weights())
         shardings = None
         if self.tp.size > 1 or jax.process_count() > 1:  # outputs replicated; the cache keeps its sharding
             shardings = dict(out_shardings=(self.tp.replicated, self.tp.replicated,
@@ -329,7 +331,7 @@ class ModelRunner:
                           zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
 
     @property
-    def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}; a tuple of them per pool
+    def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out], "M": [L, N, out]}; per pool
         return self.lora.state
 
     def write_slots(self, writes: tuple[SlotWrite, ...]) -> None:

@@ -132,7 +132,7 @@ def lora_linear(
         layer = None
 
     def with_delta(y: jax.Array) -> jax.Array:
-        out, first = y, 0
+        out, first, factor = y, 0, None
         for pool in pools:  # slots numbered across the pools in order; a pool reads its own ids only
             a, b = pool["A"], pool["B"]
             if layer is not None:  # sliced here, inside the cond: a step without adapters never reads the slots
@@ -145,8 +145,15 @@ def lora_linear(
             a, b = quant.widen(a), quant.widen(b)  # bf16 slots travel as bits on XLA:CPU
             m = None if mix is None else mix[:, first:first + n]  # this pool's columns
             out = out + lora_delta(x, a, b, ids, impl=lora_impl, splits=splits, scale=scale, mix=m).astype(y.dtype)
+            if "M" in pool:  # DoRA: this pool's rows scale base + delta by 1 + M[slot] (jlora.adapters.dora);
+                # scaled and combined requests never name a DoRA adapter (refused when added)
+                mag = pool["M"] if layer is None else jax.lax.dynamic_index_in_dim(pool["M"], layer, 0, keepdims=False)
+                f = jnp.where((ids >= 0)[:, None], jnp.take(mag, jnp.maximum(ids, 0), axis=0), 0.0)  # [T, out]
+                factor = f if factor is None else factor + f
             first += n
-        return out
+        if factor is None:
+            return out
+        return (out.astype(jnp.float32) * (1.0 + factor)).astype(y.dtype)
 
     if enabled is not None and cond == "inside":
         return jax.lax.cond(enabled, lambda: with_delta(quant.linear(x, weight())), lambda: quant.linear(x, weight()))
@@ -481,13 +488,16 @@ def init_lora_state(
     cfg: LlamaConfig, max_loras: int, max_rank: int, dtype: Any = jnp.float32,
     modules: tuple[str, ...] = LORA_MODULES, zeros: Any = jnp.zeros,
 ) -> LoRAState:
-    """Empty slots: per packed module {"A": [L, N, in, S*R], "B": [L, N, R, out]} (S sub-modules;
-    see `lora_state_modules`), stacked like the weights so the decoder's layer scan slices them
-    with its layer."""
+    """Empty slots: per packed module {"A": [L, N, in, S*R], "B": [L, N, R, out], "M": f32[L, N, out]}
+    (S sub-modules; see `lora_state_modules`), stacked like the weights so the decoder's layer scan
+    slices them with its layer. "M" is each slot's DoRA factor minus one per output column
+    (jlora.adapters.dora): zeros for plain adapters and empty slots; float32 whatever `dtype` is,
+    since it scales the whole projection."""
     shapes = cfg.packed_shapes()
     L = cfg.num_hidden_layers
     return {
         m: {"A": zeros((L, max_loras, shapes[m][0], len(shapes[m][1]) * max_rank), dtype),
-            "B": zeros((L, max_loras, max_rank, sum(shapes[m][1])), dtype)}
+            "B": zeros((L, max_loras, max_rank, sum(shapes[m][1])), dtype),
+            "M": zeros((L, max_loras, sum(shapes[m][1])), jnp.float32)}
         for m in lora_state_modules(modules)
     }

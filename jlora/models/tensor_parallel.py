@@ -139,13 +139,15 @@ def weight_spec(name: str, shape: tuple[int, ...], int8: bool, tp: int) -> P:
 
 
 def lora_spec(module: str, kind: str, tp: int, slot_axis: bool = True) -> P:
-    """A LoRA slot array's sharding: {"A": [L, N, in, S*R], "B": [L, N, R, out]} (without the N axis
-    for a one-slot update: `slot_axis=False`)."""
+    """A LoRA slot array's sharding: {"A": [L, N, in, S*R], "B": [L, N, R, out], "M": [L, N, out]}
+    (without the N axis for a one-slot update: `slot_axis=False`)."""
     if tp == 1:
         return P()
     lead = (None, None) if slot_axis else (None,)
     if module in COLUMN_PARALLEL and kind == "B":
         return P(*lead, None, AXIS)
+    if module in COLUMN_PARALLEL and kind == "M":  # DoRA factors: one per output column, like B's
+        return P(*lead, AXIS)
     if module in ROW_PARALLEL and kind == "A":
         return P(*lead, AXIS, None)
     return P()
@@ -216,7 +218,7 @@ class TensorParallel:
 
     def layout_update(self, module: str, kind: str, x: np.ndarray) -> np.ndarray:
         """One slot's LoRA update ({"A": [L, in, S*R], "B": [L, R, out]}) in the stored column order."""
-        cols = packed_columns(self.cfg, self.size, module) if self.size > 1 and kind == "B" else None
+        cols = packed_columns(self.cfg, self.size, module) if self.size > 1 and kind in ("B", "M") else None
         return x if cols is None else np.take(x, cols, axis=-1)
 
 
