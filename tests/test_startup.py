@@ -541,6 +541,31 @@ def test_a_compile_cache_load_is_not_stored(tiny_dir, tmp_path):
     assert loaded["tokens"] == fresh["tokens"]
 
 
+def test_stored_executables_are_read_beside_the_weights_on_the_cpu_too(tiny_dir, tmp_path, monkeypatch):
+    """An eager start from stored executables starts reading them before the weights load, on XLA:CPU
+    as on a TPU, and serves the tokens of the start that compiled them."""
+    from jlora import LLM, SamplingParams
+    from jlora.engine import executables
+    from jlora.engine.runner import wait_for_stored_executables
+    from jlora.models import loading
+
+    path, _ = tiny_dir
+    kw = dict(progress=False, use_compilation_cache=False, executable_cache=tmp_path / "executables", **SMALL)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(path, **kw) as first:
+        want = [o.outputs[0].token_ids for o in first.generate(["The sea is", "One two three"], params)]
+        graphs = set(first.config.step_graphs())
+        wait_for_stored_executables()
+    events, prefetch, load_model = [], executables.ExecutableStore.prefetch, loading.load_model
+    monkeypatch.setattr(executables.ExecutableStore, "prefetch",
+                        lambda self, names: (events.append("prefetch"), prefetch(self, names))[1])
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (events.append("weights"), load_model(*a, **k))[1])
+    with LLM(path, **kw) as second:
+        assert jax.default_backend() == "cpu" and events[:2] == ["prefetch", "weights"]
+        assert second.runners[0].loaded_graphs == graphs and second.executable_store.stats["hits"] == len(graphs)
+        assert [o.outputs[0].token_ids for o in second.generate(["The sea is", "One two three"], params)] == want
+
+
 def test_switch_source_parse_retries_cpython_311s_shared_ast_depth(monkeypatch):
     """CPython 3.11's ast.parse can fail with "AST constructor recursion depth mismatch" when another
     thread works meanwhile (LLM() parses the switches' sources while its import thread runs; a test

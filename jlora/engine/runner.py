@@ -465,8 +465,8 @@ class ModelRunner:
         all cores at once (one at a time on XLA:CPU, below): XLA compiles outside the GIL, and the step
         graphs do not depend on each other. Not overlapped: on XLA:CPU a compile-cache load beside the next graph's tracing crashed
         the process (a segfault in XLA's executable deserialization; the later CI segfaults there were
-        the test process out of memory maps, tests/conftest.py, which may have been this one's cause
-        too). `stop`: once set, lower no more graphs and start no more compiles."""
+        the test process out of memory maps, which may have been this one's cause too). `stop`: once
+        set, lower no more graphs and start no more compiles."""
         if not keys:
             return
         t0 = time.perf_counter()
@@ -504,8 +504,8 @@ class ModelRunner:
 
         if keys:
             bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
-            # One graph at a time on XLA:CPU: it compiles with threads of its own (the tiny model's
-            # graphs: 12.75 s one at a time, 12.35 s two at once on 2 cores).
+            # One graph at a time on XLA:CPU: its compiler runs threads of its own, and two graphs at
+            # once were no faster on 2 cores (docs/benchmarks.md, "Warm-up on XLA:CPU").
             workers = 1 if jax.default_backend() == "cpu" else min(len(keys), os.cpu_count() or 1)
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 for _ in pool.map(build, keys):
