@@ -1,9 +1,11 @@
 """Start-up a person sees: one set of default sizes, checks before loading, lazy mode, no torch banner."""
 
 import dataclasses
+import gc
 import inspect
 import subprocess
 import sys
+import weakref
 
 import jax
 import numpy as np
@@ -349,6 +351,16 @@ def test_background_warmup_failure_is_reported_and_serving_goes_on(tiny_dir, mon
     out = llm.generate(["The sea is", "One two"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    # The failure it keeps holds no frame of the runner: dropped, the engine is freed without the
+    # cyclic collector (its traceback's frames once kept the runner in a reference cycle).
+    runner = weakref.ref(llm.engine.runner)
+    gc.collect()
+    gc.disable()
+    try:
+        del llm, e
+        assert runner() is None, "a runner whose background warm-up failed outlived its LLM"
+    finally:
+        gc.enable()
 
 
 def test_warmup_flag_of_generate_and_serve():

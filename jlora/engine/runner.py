@@ -568,7 +568,7 @@ class ModelRunner:
         except BaseException as e:  # noqa: BLE001 (kept for wait_warmup; steps keep the compiled graphs)
             if self._stop_background.is_set():  # stopped (close, interpreter exit): not a failure
                 return
-            self.background_error = e
+            self.background_error = _without_tracebacks(e)
             print(f"jlora: background warm-up failed, steps keep to the graphs compiled so far: "
                   f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         finally:
@@ -603,6 +603,19 @@ class ModelRunner:
         self._weights, self.state, self.cache, self._resident = [], None, {}, {}
         self._executables.clear()
         self._step = None
+
+
+def _without_tracebacks(e: BaseException) -> BaseException:
+    """`e` and the exceptions it chains, their tracebacks dropped: a traceback's frames hold the runner
+    that keeps `e`, a reference cycle that kept a runner after a failed background warm-up alive
+    until the cyclic collector ran."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__traceback__ = None
+        x = x.__cause__ or x.__context__
+    return e
 
 
 def _abstract(x: Any) -> Any:
