@@ -216,9 +216,9 @@ class LLM(Closable):
                                    tensor_parallel_size):
             store = open_executable_store(executable_cache, device_groups[0], model_cfg, dtype, self.quantization,
                                           self.config)
-        # Read beside the weights' transfer on a TPU; on XLA:CPU a deserialization beside other
-        # XLA work has crashed the process (2026-12-06), so there it waits its turn.
-        if store is not None and warmup != "lazy" and jax.default_backend() == "tpu":
+        # Read beside the weights' transfer, on every backend (XLA:CPU: a warm LLM() 4-5 s sooner on
+        # a busy 2-core machine, docs/benchmarks.md, "Warm-up on XLA:CPU").
+        if store is not None and warmup != "lazy":
             store.prefetch(executables.graph_name(g) for g in
                            (self.config.first_graphs() if warmup == "background" else self.config.step_graphs()))
         if progress:

@@ -9,35 +9,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # threads, 1.7 s on one). The references are small; XLA's own thread pool does not read this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import gc
-
 import pytest
-
-# Each engine holds its XLA:CPU executables' code mapped (~2,900 memory maps for the tiny model's).
-# Engines used to stay in reference cycles after a test dropped them, until the cyclic collector's
-# rare full pass: over the whole suite the process reached Linux's 65,530 memory maps
-# (vm.max_map_count) and XLA segfaulted in whichever executable it serialized or loaded next (three
-# CI runs, each ~2/3 of the way through; one collection freed them: 25,434 maps after
-# tests/test_prefix_cache.py, 1,515 after). A dropped engine now frees itself (tests/test_lifecycle.py),
-# but a test can still put one in a cycle of its own (a spy closure set on its runner, as in
-# test_engine.py's base-graph test), so the safety net stays.
-MAPS_BEFORE_COLLECTING = 16384
 
 
 def memory_maps() -> int:
-    """This process's memory mappings (0 where /proc is not there)."""
+    """This process's memory mappings (0 where /proc is not there). Each engine holds its XLA:CPU
+    executables' code mapped (~2,900 maps for the tiny model's); Linux stops a process at 65,530
+    (vm.max_map_count), and XLA then segfaults in the next executable it loads or serializes. A
+    dropped engine frees them without the cyclic collector (tests/test_lifecycle.py), so the suite
+    does not collect for it; a test that spies on an engine's method sets it with monkeypatch,
+    which deletes it after (assigning the bound method back would make a reference cycle)."""
     try:
         with open("/proc/self/maps", "rb") as f:
             return f.read().count(b"\n")
     except OSError:
         return 0
-
-
-@pytest.fixture(autouse=True)
-def _collect_dropped_engines():
-    yield
-    if memory_maps() > MAPS_BEFORE_COLLECTING:
-        gc.collect()
 
 
 # Small bucket sets keep warm-up short on a 2-core CI machine; the graphs are the same kind.

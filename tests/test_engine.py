@@ -378,7 +378,8 @@ def test_prompt_logprobs_match_transformers_log_softmax(llm, tiny_dir):
 
 
 @pytest.mark.parametrize("base_graphs", ["decode", "all"])
-def test_base_graphs_change_no_token_and_take_the_adapter_free_steps(tiny_dir, tiny_adapters, base_graphs):
+def test_base_graphs_change_no_token_and_take_the_adapter_free_steps(tiny_dir, tiny_adapters, base_graphs,
+                                                                     monkeypatch):
     """EngineConfig.base_graphs: shapes with a graph without LoRA run it for steps with no adapter
     row, and their LoRA graph computes LoRA for every row (no conditionals). Greedy tokens equal the
     engine without base graphs, whatever mix of adapter and base requests shares the steps; the
@@ -409,7 +410,7 @@ def test_base_graphs_change_no_token_and_take_the_adapter_free_steps(tiny_dir, t
         ran.append(runner.graph_of(batch))
         return launch(batch, prev)
 
-    runner.launch = spy
+    monkeypatch.setattr(runner, "launch", spy)  # undone after the test: no cycle keeps the engine
     count = compile_stats.compile_count()
     assert run(llm) == want
     assert compile_stats.compile_count() == count

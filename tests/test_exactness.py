@@ -193,7 +193,7 @@ def llm_async(tiny_dir):
 
 @pytest.mark.slow  # randomized workloads, ~25 s a round
 @pytest.mark.parametrize("seed", range(ROUNDS))
-def test_async_scheduling_equals_reference(llm_async, ref, tiny_adapters, seed):
+def test_async_scheduling_equals_reference(llm_async, ref, tiny_adapters, seed, monkeypatch):
     """The same randomized workloads with the next step launched before this one's tokens are
     read (async scheduling): the same outputs, streams and zero compiles, and steps really were
     launched ahead (their decode tokens taken on the device)."""
@@ -205,13 +205,12 @@ def test_async_scheduling_equals_reference(llm_async, ref, tiny_adapters, seed):
         ahead.append(prev is not None and bool((batch["prev_rows"] >= 0).any()))
         return launched(batch, prev=prev)
 
-    eng.runner.launch = launch
-    try:
-        jobs = make_workload(rng, ref, llm_async.tokenizer, tiny_adapters, n_jobs=28, limit=ENGINE["max_model_len"])
-        compiles = compile_stats.compile_count()
-        outputs, streams = drive(eng, jobs)
-    finally:
-        eng.runner.launch = launched
+    # monkeypatch deletes the instance attribute after the test: restoring the bound method there
+    # would put the engine in a reference cycle (runner -> its __dict__ -> bound method -> runner).
+    monkeypatch.setattr(eng.runner, "launch", launch)
+    jobs = make_workload(rng, ref, llm_async.tokenizer, tiny_adapters, n_jobs=28, limit=ENGINE["max_model_len"])
+    compiles = compile_stats.compile_count()
+    outputs, streams = drive(eng, jobs)
     assert compile_stats.compile_count() == compiles, "the engine compiled after warm-up"
     # >= 10 before prefix caching; with it (on by default) seed 0 launches 9 ahead: siblings and
     # shared prompts wait for in-flight prefixes, so prefills land in more steps.
@@ -221,7 +220,7 @@ def test_async_scheduling_equals_reference(llm_async, ref, tiny_adapters, seed):
 
 
 @pytest.mark.slow  # one randomized round, ~25 s
-def test_base_graphs_with_async_scheduling_equal_reference(tiny_dir, ref, tiny_adapters):
+def test_base_graphs_with_async_scheduling_equal_reference(tiny_dir, ref, tiny_adapters, monkeypatch):
     """What a TPU runs: async scheduling, and graphs without LoRA beside the LoRA graphs (which then
     compute LoRA for every row): the randomized workload's outputs and streams are the reference's,
     with zero compiles after warm-up, and both kinds of graph ran."""
@@ -233,7 +232,7 @@ def test_base_graphs_with_async_scheduling_equal_reference(tiny_dir, ref, tiny_a
         ran.append(eng.runner.graph_of(batch))
         return launched(batch, prev=prev)
 
-    eng.runner.launch = launch
+    monkeypatch.setattr(eng.runner, "launch", launch)
     jobs = make_workload(np.random.default_rng(5), ref, llm.tokenizer, tiny_adapters, n_jobs=28,
                          limit=ENGINE["max_model_len"])
     compiles = compile_stats.compile_count()
@@ -244,7 +243,7 @@ def test_base_graphs_with_async_scheduling_equal_reference(tiny_dir, ref, tiny_a
     check_jobs(jobs, outputs, streams, llm.tokenizer)
 
 
-def test_async_scheduling_survives_a_failed_step(llm_async, ref, tiny_adapters):
+def test_async_scheduling_survives_a_failed_step(llm_async, ref, tiny_adapters, monkeypatch):
     """A step launched ahead of one that raises: the KV cache is rebuilt, every request is
     recomputed and ends equal to the reference; one failed step is counted."""
     eng = llm_async.engine
@@ -257,16 +256,14 @@ def test_async_scheduling_survives_a_failed_step(llm_async, ref, tiny_adapters):
             raise RuntimeError("injected device failure")
         return collect(handle)
 
-    eng.runner.collect = flaky
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        loras = [None, LoRARequest("f0", 300, str(tiny_adapters[0]))]
-        prompts = [list(range(10 + i, 30 + 2 * i)) for i in range(4)]
-        before = eng.num_failed_steps
-        outs = llm_async.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                  lora_request=[loras[i % 2] for i in range(4)])
-    finally:
-        eng.runner.collect = collect
+    monkeypatch.setattr(eng.runner, "collect", flaky)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    loras = [None, LoRARequest("f0", 300, str(tiny_adapters[0]))]
+    prompts = [list(range(10 + i, 30 + 2 * i)) for i in range(4)]
+    before = eng.num_failed_steps
+    outs = llm_async.generate([{"prompt_token_ids": p} for p in prompts], params,
+                              lora_request=[loras[i % 2] for i in range(4)])
+    monkeypatch.undo()
     assert failed and eng.num_failed_steps == before + 1
     for p, out, i in zip(prompts, outs, range(4)):
         exp = ref.generate(p, params, 0, loras[i % 2] and loras[i % 2].lora_path)[0]

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import threading
 import time
+import types
 
 import httpx
+import openai
 import pytest
 
 from jlora import LLM
@@ -21,6 +23,7 @@ ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_
               token_buckets=(16, 32), max_n=4, max_waiting_seqs=64)
 MAX_BYTES = 64 * 1024
 MAX_PROMPTS = 8
+MAX_MESSAGES = 8  # (a conversation of 8 short turns fits max_model_len=128 with the default system prompt)
 CULPRIT_SEED = 424242
 SLOW_S = 0.3  # per prompt marked SLOW
 
@@ -29,7 +32,7 @@ SLOW_S = 0.3  # per prompt marked SLOW
 def live(tiny_dir, tiny_adapters):
     llm = LLM(str(tiny_dir[0]), progress=False, **ENGINE)
     app = build_app(llm, "tiny", lora_modules={"a0": str(tiny_adapters[0])}, api_key=KEY,
-                    max_request_bytes=MAX_BYTES, max_prompts=MAX_PROMPTS)
+                    max_request_bytes=MAX_BYTES, max_prompts=MAX_PROMPTS, max_messages=MAX_MESSAGES)
     with serve_live(llm, app) as live:
         yield live
 
@@ -82,6 +85,74 @@ def test_too_many_prompts_is_400_naming_the_field_before_any_is_tokenized(live, 
         ok = http.post("/v1/completions", json={**body, "prompt": body["prompt"][:2]})
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
     live.wait_idle()
+
+
+@pytest.fixture
+def templated(live, monkeypatch):
+    """The message lists the chat template rendered (LLM.apply_chat_template's calls)."""
+    llm, calls = live.llm, []
+    real = llm.apply_chat_template
+
+    def apply_chat_template(messages, *a, **kw):
+        calls.append(len(messages))
+        return real(messages, *a, **kw)
+
+    monkeypatch.setattr(llm, "apply_chat_template", apply_chat_template)
+    return calls
+
+
+def _conversation(n: int) -> list[dict]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": str(i)} for i in range(n)]
+
+
+def test_too_many_chat_messages_is_400_naming_the_field_before_templating(live, templated):
+    client = live.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="a0", messages=_conversation(MAX_MESSAGES + 1), max_tokens=2)
+    err = e.value.body
+    assert err["param"] == "messages", err
+    assert f"{MAX_MESSAGES + 1} messages" in err["message"] and "--max-messages-per-request" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # streaming: refused before the stream starts
+        client.chat.completions.create(model="tiny", messages=_conversation(1000), max_tokens=2, stream=True)
+    assert e.value.body["param"] == "messages" and "1000 messages" in e.value.body["message"]
+    with live.http() as http:  # /tokenize renders messages through the same template
+        _error(http.post("/tokenize", json={"model": "tiny", "messages": _conversation(MAX_MESSAGES + 1)}),
+               400, "messages")
+    assert templated == []
+    # At the limit: served, and the template saw every message.
+    ok = client.chat.completions.create(model="a0", messages=_conversation(MAX_MESSAGES), max_tokens=2,
+                                        temperature=0.0)
+    assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 2
+    assert templated == [MAX_MESSAGES]
+    with live.http() as http:
+        schema = http.get("/openapi.json").json()["components"]["schemas"]
+    assert schema["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] == MAX_MESSAGES
+    assert [v.get("maxItems") for v in schema["TokenizeRequest"]["properties"]["messages"]["anyOf"]
+            if v.get("type") == "array"] == [MAX_MESSAGES]
+    live.wait_idle()
+
+
+def test_serve_takes_the_message_limit_as_a_flag(monkeypatch, capsys):
+    import jlora
+    from jlora.cli import main
+    from jlora.server import app as app_module
+
+    assert main(["serve", "--max-messages-per-request", "0", "--port", "0"]) == 2
+    assert "--max-messages-per-request must be >= 1" in capsys.readouterr().err
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def build_app(llm, model_id, **kw):
+        seen.update(kw)
+        raise Built
+
+    monkeypatch.setattr(jlora, "LLM", lambda *a, **kw: types.SimpleNamespace(tokenizer=types.SimpleNamespace()))
+    monkeypatch.setattr(app_module, "build_app", build_app)
+    with pytest.raises(Built):
+        main(["serve", "--max-messages-per-request", "7", "--port", "0"])
+    assert seen["max_messages"] == 7
 
 
 def test_a_slow_tokenization_does_not_stall_a_stream_beside_it(live, encodes):

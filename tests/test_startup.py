@@ -1,9 +1,11 @@
 """Start-up a person sees: one set of default sizes, checks before loading, lazy mode, no torch banner."""
 
 import dataclasses
+import gc
 import inspect
 import subprocess
 import sys
+import weakref
 
 import jax
 import numpy as np
@@ -349,6 +351,16 @@ def test_background_warmup_failure_is_reported_and_serving_goes_on(tiny_dir, mon
     out = llm.generate(["The sea is", "One two"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    # The failure it keeps holds no frame of the runner: dropped, the engine is freed without the
+    # cyclic collector (its traceback's frames once kept the runner in a reference cycle).
+    runner = weakref.ref(llm.engine.runner)
+    gc.collect()
+    gc.disable()
+    try:
+        del llm, e
+        assert runner() is None, "a runner whose background warm-up failed outlived its LLM"
+    finally:
+        gc.enable()
 
 
 def test_warmup_flag_of_generate_and_serve():
@@ -546,6 +558,31 @@ def test_a_compile_cache_load_is_not_stored(tiny_dir, tmp_path):
     assert loaded["hits"] > 0  # its graphs came from the compile cache...
     assert loaded["writes"] == 0  # ...so none was stored
     assert loaded["tokens"] == fresh["tokens"]
+
+
+def test_stored_executables_are_read_beside_the_weights_on_the_cpu_too(tiny_dir, tmp_path, monkeypatch):
+    """An eager start from stored executables starts reading them before the weights load, on XLA:CPU
+    as on a TPU, and serves the tokens of the start that compiled them."""
+    from jlora import LLM, SamplingParams
+    from jlora.engine import executables
+    from jlora.engine.runner import wait_for_stored_executables
+    from jlora.models import loading
+
+    path, _ = tiny_dir
+    kw = dict(progress=False, use_compilation_cache=False, executable_cache=tmp_path / "executables", **SMALL)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(path, **kw) as first:
+        want = [o.outputs[0].token_ids for o in first.generate(["The sea is", "One two three"], params)]
+        graphs = set(first.config.step_graphs())
+        wait_for_stored_executables()
+    events, prefetch, load_model = [], executables.ExecutableStore.prefetch, loading.load_model
+    monkeypatch.setattr(executables.ExecutableStore, "prefetch",
+                        lambda self, names: (events.append("prefetch"), prefetch(self, names))[1])
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (events.append("weights"), load_model(*a, **k))[1])
+    with LLM(path, **kw) as second:
+        assert jax.default_backend() == "cpu" and events[:2] == ["prefetch", "weights"]
+        assert second.runners[0].loaded_graphs == graphs and second.executable_store.stats["hits"] == len(graphs)
+        assert [o.outputs[0].token_ids for o in second.generate(["The sea is", "One two three"], params)] == want
 
 
 def test_fingerprint_reads_the_sources_bytes_without_parsing_them(monkeypatch):

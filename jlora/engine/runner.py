@@ -526,8 +526,8 @@ class ModelRunner:
         all cores at once (one at a time on XLA:CPU, below): XLA compiles outside the GIL, and the step
         graphs do not depend on each other. Not overlapped: on XLA:CPU a compile-cache load beside the next graph's tracing crashed
         the process (a segfault in XLA's executable deserialization; the later CI segfaults there were
-        the test process out of memory maps, tests/conftest.py, which may have been this one's cause
-        too). `stop`: once set, lower no more graphs and start no more compiles."""
+        the test process out of memory maps, which may have been this one's cause too). `stop`: once
+        set, lower no more graphs and start no more compiles."""
         if not keys:
             return
         t0 = time.perf_counter()
@@ -561,8 +561,8 @@ class ModelRunner:
 
         if keys:
             bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
-            # One graph at a time on XLA:CPU: it compiles with threads of its own (the tiny model's
-            # graphs: 12.75 s one at a time, 12.35 s two at once on 2 cores).
+            # One graph at a time on XLA:CPU: its compiler runs threads of its own, and two graphs at
+            # once were no faster on 2 cores (docs/benchmarks.md, "Warm-up on XLA:CPU").
             workers = 1 if jax.default_backend() == "cpu" else min(len(keys), os.cpu_count() or 1)
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 for _ in pool.map(build, keys):
@@ -625,7 +625,7 @@ class ModelRunner:
         except BaseException as e:  # noqa: BLE001 (kept for wait_warmup; steps keep the compiled graphs)
             if self._stop_background.is_set():  # stopped (close, interpreter exit): not a failure
                 return
-            self.background_error = e
+            self.background_error = _without_tracebacks(e)
             print(f"jlora: background warm-up failed, steps keep to the graphs compiled so far: "
                   f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         finally:
@@ -660,6 +660,19 @@ class ModelRunner:
         self._weights, self.state, self.cache, self._resident = [], None, {}, {}
         self._executables.clear()
         self._step = None
+
+
+def _without_tracebacks(e: BaseException) -> BaseException:
+    """`e` and the exceptions it chains, their tracebacks dropped: a traceback's frames hold the runner
+    that keeps `e`, a reference cycle that kept a runner after a failed background warm-up alive
+    until the cyclic collector ran."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__traceback__ = None
+        x = x.__cause__ or x.__context__
+    return e
 
 
 def _abstract(x: Any) -> Any:

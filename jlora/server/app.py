@@ -37,8 +37,8 @@ from jlora.server.openai_requests import (
 )
 from jlora.server.openai_responses import Formatter
 from jlora.server.tools import ToolCalls
-from jlora.server.limits import (DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_STALL_S,
-                                 PREP_THREADS, RETRY_AFTER_S, max_prompt_bytes)
+from jlora.server.limits import (DEFAULT_MAX_MESSAGES, DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_BYTES,
+                                 DEFAULT_MAX_TOKENS, DEFAULT_STALL_S, PREP_THREADS, RETRY_AFTER_S, max_prompt_bytes)
 from jlora.server.metrics import CONTENT_TYPE, ServerMetrics
 from jlora.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
@@ -59,7 +59,7 @@ class OpenAIServer:
     def __init__(self, llm: Any, model_id: str, lora_modules: dict[str, str] | None = None,
                  enable_runtime_lora_updating: bool = False, lora_root: str | os.PathLike | None = None,
                  shutdown_grace_s: float = 0.0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 max_prompts: int = DEFAULT_MAX_PROMPTS):
+                 max_prompts: int = DEFAULT_MAX_PROMPTS, max_messages: int = DEFAULT_MAX_MESSAGES):
         if enable_runtime_lora_updating and lora_root is None:
             raise ValueError("runtime adapter loading needs lora_root (--lora-root): paths are confined to it")
         self.llm = llm
@@ -69,6 +69,7 @@ class OpenAIServer:
         self.vocab_size: int = llm.model.cfg.vocab_size
         self.default_max_tokens = default_max_tokens
         self.max_prompts = max_prompts
+        self.max_messages = max_messages
         # Templating and tokenizing run here, off the event loop (the streams of others keep flowing).
         self.prep = concurrent.futures.ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="jlora-prep")
         self.preparing = 0  # sequences of requests being prepared: counted against the waiting queue
@@ -123,6 +124,7 @@ class OpenAIServer:
             check_text_size(body.prompt, self.max_prompt_bytes, "prompt")
             ids = self.llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
+            self.check_messages(body.messages)
             chat = ChatCompletionRequest.model_construct(model=body.model or self.model_id, messages=body.messages)
             ids = chat_prompt(chat, self.llm, self.max_prompt_bytes,
                               add_generation_prompt=body.add_generation_prompt)["prompt_token_ids"]
@@ -245,6 +247,7 @@ class OpenAIServer:
         ever holds, 429 when the queue (with the requests still being tokenized) has no room now."""
         if chat:
             count, field = 1, "messages"
+            self.check_messages(req.messages)
         else:
             p = req.prompt
             count = 1 if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else len(p)
@@ -263,6 +266,13 @@ class OpenAIServer:
                                 f"request adds {seqs}; max_waiting_seqs={cap}; retry later", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         return seqs
+
+    def check_messages(self, messages: list[Any]) -> None:
+        """400 naming `messages` when the list is longer than --max-messages-per-request: checked
+        before the chat template renders it (its time grows with the list)."""
+        if len(messages) > self.max_messages:
+            raise APIError(400, f"messages holds {len(messages)} messages; at most {self.max_messages} are accepted "
+                                f"in one request (--max-messages-per-request)", param="messages")
 
     def _prepare(self, req: CompletionRequest | ChatCompletionRequest,
                  chat: bool) -> tuple[list[dict[str, Any]], Any, Formatter]:
@@ -478,14 +488,15 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
               enable_runtime_lora_updating: bool = False, lora_root: str | os.PathLike | None = None,
               shutdown_grace_s: float = 0.0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_auth: bool = False,
-              health_stall_timeout: float = DEFAULT_STALL_S, max_prompts: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
+              health_stall_timeout: float = DEFAULT_STALL_S, max_prompts: int = DEFAULT_MAX_PROMPTS,
+              max_messages: int = DEFAULT_MAX_MESSAGES) -> FastAPI:
     """The server for a warmed-up `LLM`. The engine thread starts and stops with the app's lifespan.
 
     The engine thread gets `shutdown_grace_s` to finish running requests and 5 s more to end; if it
     is wedged in a step the app stops without it (`stopped_cleanly` is False), so a SIGTERM always
     ends the server."""
     server = OpenAIServer(llm, model_id, lora_modules, enable_runtime_lora_updating, lora_root, shutdown_grace_s,
-                          default_max_tokens, max_prompts)
+                          default_max_tokens, max_prompts, max_messages)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -593,7 +604,7 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
 
 def _openapi(app: FastAPI, server: OpenAIServer) -> dict[str, Any]:
     """FastAPI's schema with what this server adds: its own maxima (n up to --max-n, max_tokens up
-    to the context, token ids below the vocabulary), and 400 in place of FastAPI's 422 (errors
+    to the context, token ids below the vocabulary, messages up to --max-messages-per-request), and 400 in place of FastAPI's 422 (errors
     here are OpenAI error objects, always JSON)."""
     if app.openapi_schema:
         return app.openapi_schema
@@ -617,10 +628,21 @@ def _openapi(app: FastAPI, server: OpenAIServer) -> dict[str, Any]:
         for field in ("prompt", "stop_token_ids"):
             if field in props:
                 _set_maximum(props[field], token_max)
+    for name in ("ChatCompletionRequest", "TokenizeRequest"):
+        props = comps.get(name, {}).get("properties", {})
+        if "messages" in props:
+            _set_max_items(props["messages"], server.max_messages)
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)
     app.openapi_schema = schema
     return schema
+
+
+def _set_max_items(node: dict[str, Any], hi: int) -> None:
+    """`maxItems: hi` on the array schema `node` (or on each array inside its anyOf)."""
+    for v in [node, *node.get("anyOf", [])]:
+        if v.get("type") == "array":
+            v["maxItems"] = min(hi, v.get("maxItems", hi))
 
 
 def _set_maximum(node: Any, hi: int) -> None:

@@ -1,10 +1,10 @@
-"""What the server bounds before a request reaches the engine: body size, prompts per request,
-prompt size, the queue.
+"""What the server bounds before a request reaches the engine: body size, prompts or chat messages
+per request, prompt size, the queue.
 
 A request's work is bounded before any of it is done: the body's size as it arrives (413), then,
-once it is parsed and before anything is templated or tokenized, its prompt count (400) and its
-sequences against the waiting queue, counting those still being tokenized (400 when it could never
-fit, 429 when it does not fit now). Templating and tokenizing then run on a small thread pool, off
+once it is parsed and before anything is templated or tokenized, its prompt count or its chat's
+message count (400) and its sequences against the waiting queue, counting those still being
+tokenized (400 when it could never fit, 429 when it does not fit now). Templating and tokenizing then run on a small thread pool, off
 the event loop, so a large request never stalls the streams of others.
 
 The sampling fields' bounds live in `jlora.sampling_params.BOUNDS` (shared with `SamplingParams`
@@ -19,6 +19,9 @@ DEFAULT_MAX_WAITING = 4096  # --max-waiting-seqs: sequences queued for admission
 DEFAULT_MAX_TOKENS = 1024  # --default-max-tokens: a chat request without max_tokens
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # --max-request-bytes: 413 above it
 DEFAULT_MAX_PROMPTS = 256  # --max-prompts-per-request: a completion's prompt list (400 above it)
+# --max-messages-per-request: a chat's (or /tokenize's) messages list (400 above it). Long agent
+# conversations run to a few hundred messages; a 16 MiB body can list hundreds of thousands.
+DEFAULT_MAX_MESSAGES = 1024
 PREP_THREADS = 2  # threads that template and tokenize requests, off the event loop
 DEFAULT_STALL_S = 60.0  # --health-stall-timeout: /health is 503 when the engine thread is stuck this long
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait

@@ -14,7 +14,7 @@ import threading
 from typing import Any, Iterator
 
 from jlora.sampling_params import DEFAULT_MAX_N
-from jlora.server.limits import (DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS,
+from jlora.server.limits import (DEFAULT_MAX_MESSAGES, DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS,
                                  DEFAULT_MAX_WAITING, DEFAULT_STALL_S)
 
 
@@ -47,6 +47,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="largest HTTP request body accepted (413 above it)")
     p.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS,
                    help="most prompts one completion request may list (400 above it, before any is tokenized)")
+    p.add_argument("--max-messages-per-request", type=int, default=DEFAULT_MAX_MESSAGES,
+                   help="most messages one chat (or /tokenize) request may list (400 above it, before the chat "
+                        "template renders them)")
     p.add_argument("--metrics-auth", action="store_true",
                    help="require the API key on /metrics too (default: open, as vLLM)")
     p.add_argument("--health-stall-timeout", type=float, default=DEFAULT_STALL_S,
@@ -160,7 +163,7 @@ def check_serve_args(args: argparse.Namespace) -> tuple[dict[str, str], socket.s
     from jlora.engine_args import engine_config
 
     lora_modules = parse_lora_modules(args.lora_modules)
-    for flag in ("default_max_tokens", "max_request_bytes", "max_prompts_per_request"):
+    for flag in ("default_max_tokens", "max_request_bytes", "max_prompts_per_request", "max_messages_per_request"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not args.health_stall_timeout > 0:
@@ -237,7 +240,7 @@ def serve_main(args: argparse.Namespace) -> int:
                     enable_runtime_lora_updating=args.enable_runtime_lora_updating, lora_root=args.lora_root,
                     default_max_tokens=args.default_max_tokens, max_request_bytes=args.max_request_bytes,
                     metrics_auth=args.metrics_auth, health_stall_timeout=args.health_stall_timeout,
-                    max_prompts=args.max_prompts_per_request)
+                    max_prompts=args.max_prompts_per_request, max_messages=args.max_messages_per_request)
     print(f"jlora serve: {model_id} with adapters {sorted(lora_modules) or '[]'} on "
           f"http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
     server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
