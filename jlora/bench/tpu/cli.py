@@ -24,7 +24,7 @@ SECTIONS = ("checkpoint", "check", "load", "runtime", "kernel", "qmatmul", "laye
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    import jlora.bench.tpu as package
+    package = sys.modules[__package__]  # jlora.bench.tpu, imported before this module: its doc is the help
 
     p = argparse.ArgumentParser(prog="jlora bench tpu", description=package.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
