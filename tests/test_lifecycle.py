@@ -178,17 +178,20 @@ def test_flax_state_flattening_leaves_no_reference_cycle():
             gc.enable()
 
 
-def _threads(prefix: str) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
+def _threads(prefix: str, ignore: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
+    """Live threads named `prefix...`, but those in `ignore` (the engines of other tests in this
+    process, e.g. module fixtures, keep their own pools)."""
+    return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive() and t not in ignore]
 
 
-def _ended(prefixes: tuple[str, ...], timeout: float = 10.0) -> list[str]:
-    """The names of threads with these prefixes still alive after up to `timeout` s (a pool shut down
-    without waiting ends its idle threads soon after)."""
+def _ended(prefixes: tuple[str, ...], ignore: frozenset[threading.Thread] = frozenset(),
+           timeout: float = 10.0) -> list[str]:
+    """The names of threads with these prefixes, not in `ignore`, still alive after up to `timeout` s
+    (a pool shut down without waiting ends its idle threads soon after)."""
     deadline = time.monotonic() + timeout
-    while any(_threads(p) for p in prefixes) and time.monotonic() < deadline:
+    while any(_threads(p, ignore) for p in prefixes) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [t.name for p in prefixes for t in _threads(p)]
+    return [t.name for p in prefixes for t in _threads(p, ignore)]
 
 
 def test_the_server_and_then_the_llm_stop_every_thread_they_started(tiny_dir, tiny_adapters, tmp_path):
@@ -200,21 +203,33 @@ def test_the_server_and_then_the_llm_stop_every_thread_they_started(tiny_dir, ti
     from jlora.engine import executables, runner as runner_module
     from jlora.server.app import build_app
 
-    assert not any(_threads(p) for p in ("jlora-engine", "jlora-prep", "jlora-adapters", "jlora-executables"))
-    # Compiled here (no compile cache): only those are stored, and the store's readers need files.
-    llm = LLM(str(tiny_dir[0]), progress=False, use_compilation_cache=False,
-              executable_cache=str(tmp_path / "executables"), **ENGINE)
+    before = frozenset(threading.enumerate())  # only the threads this test's LLM and server start count
+    # Compiled here: only compiled graphs are stored, and the store's readers need files. An earlier
+    # test of this process may have turned JAX's persistent compile cache on (process-wide), holding
+    # these graphs; this test's engine gets an empty one.
+    from jax._src import compilation_cache
+
+    jax.clear_caches()
+    old_dir = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
+    compilation_cache.reset_cache()
+    try:
+        llm = LLM(str(tiny_dir[0]), progress=False, use_compilation_cache=False,
+                  executable_cache=str(tmp_path / "executables"), **ENGINE)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old_dir)
+        compilation_cache.reset_cache()
     runner_module.wait_for_stored_executables()
     llm.executable_store.prefetch(executables.graph_name(k) for k in llm.config.step_graphs())
     llm.engine.adapters.prepare_async(LoRARequest("a1", 1, str(tiny_adapters[1]))).result(60)
-    assert _threads("jlora-executables") and _threads("jlora-adapters")
+    assert _threads("jlora-executables", before) and _threads("jlora-adapters", before)
     app = build_app(llm, "tiny")
     with TestClient(app) as client:
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-        assert _threads("jlora-engine") and _threads("jlora-prep")
+        assert _threads("jlora-engine", before) and _threads("jlora-prep", before)
     assert app.state.stopped_cleanly
-    assert _ended(("jlora-engine", "jlora-prep")) == []
-    assert _threads("jlora-adapters")  # the LLM is the caller's: still open, its pools too
+    assert _ended(("jlora-engine", "jlora-prep"), before) == []
+    assert _threads("jlora-adapters", before)  # the LLM is the caller's: still open, its pools too
     llm.close()
-    assert _ended(("jlora-adapters", "jlora-executables")) == []
+    assert _ended(("jlora-adapters", "jlora-executables"), before) == []
