@@ -9,7 +9,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # threads, 1.7 s on one). The references are small; XLA's own thread pool does not read this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import gc
+
 import pytest
+
+# Each engine holds its XLA:CPU executables' code mapped (~2,900 memory maps for the tiny model's).
+# Past Linux's 65,530 (vm.max_map_count) XLA segfaults in the next executable it loads or serializes.
+# A dropped engine frees its maps without the cyclic collector (tests/test_lifecycle.py), but engines
+# can still outlive their tests: FastAPI 0.165 caches route functions at module level, and the
+# routes of every `build_app` capture its server and so its LLM. A full run without this net
+# segfaulted there (2026-12-07, 73% through, in tests/test_prefix_cache.py's data-parallel test), so
+# the suite collects once a process holds this many maps.
+MAPS_BEFORE_COLLECTING = 16384
 
 
 def memory_maps() -> int:
@@ -24,6 +35,13 @@ def memory_maps() -> int:
             return f.read().count(b"\n")
     except OSError:
         return 0
+
+
+@pytest.fixture(autouse=True)
+def _collect_dropped_engines():
+    yield
+    if memory_maps() > MAPS_BEFORE_COLLECTING:
+        gc.collect()
 
 
 # Small bucket sets keep warm-up short on a 2-core CI machine; the graphs are the same kind.

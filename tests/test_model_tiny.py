@@ -173,8 +173,11 @@ def test_where_lora_is_sliced_or_skipped_changes_nothing():
     cfg = LlamaConfig.preset("tiny")
     m = Llama(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(3)
-    lora = jax.tree.map(lambda z: jnp.asarray(rng.normal(size=z.shape) * 0.1, z.dtype),
-                        init_lora_state(cfg, max_loras=2, max_rank=4))
+    state = init_lora_state(cfg, max_loras=2, max_rank=4)
+    # Plain adapters (DoRA factors "M" zero): bit for bit below. DoRA factors: to float32 rounding
+    # (XLA:CPU fuses the factor's multiply differently without the conditional).
+    dora = jax.tree.map(lambda z: jnp.asarray(rng.normal(size=z.shape) * 0.1, z.dtype), state)
+    lora = {k: dict(v, M=jnp.zeros_like(v["M"])) if "M" in v else v for k, v in dora.items()}
     toks = jnp.array([[5, 6, 7, 8], [9, 10, 11, 12]], jnp.int32)
     pos = jnp.tile(jnp.arange(4, dtype=jnp.int32), (2, 1))
     def logits(ids, skip=True, tuning=TuningOptions()):
@@ -194,6 +197,12 @@ def test_where_lora_is_sliced_or_skipped_changes_nothing():
     first = got["inside"]
     assert not np.allclose(first[0], first[1])  # the slots are read
     np.testing.assert_array_equal(first[2][:4], first[0][:4])  # a row without an adapter reads none
+    lora = dora
+    with_dora = {v: [logits([0, 1], v != "no skip", TuningOptions(lora_slices="before" if v == "before" else "inside"))]
+                 for v in ("inside", "before", "no skip")}
+    assert not np.allclose(with_dora["inside"][0], first[1])  # the factors are applied
+    for v in ("before", "no skip"):
+        np.testing.assert_allclose(with_dora[v][0], with_dora["inside"][0], rtol=1e-5, atol=1e-6)
 
     # int8 weights (QArrays): "inside" slices each layer's int8 rows and scales inside the branches
     from jlora.models import quant
