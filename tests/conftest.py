@@ -24,12 +24,9 @@ MAPS_BEFORE_COLLECTING = 16384
 
 
 def memory_maps() -> int:
-    """This process's memory mappings (0 where /proc is not there). Each engine holds its XLA:CPU
-    executables' code mapped (~2,900 maps for the tiny model's); Linux stops a process at 65,530
-    (vm.max_map_count), and XLA then segfaults in the next executable it loads or serializes. A
-    dropped engine frees them without the cyclic collector (tests/test_lifecycle.py), so the suite
-    does not collect for it; a test that spies on an engine's method sets it with monkeypatch,
-    which deletes it after (assigning the bound method back would make a reference cycle)."""
+    """This process's memory mappings (0 where /proc is not there). A test that spies on an
+    engine's method sets it with monkeypatch, which deletes it after (assigning the bound method
+    back would make a reference cycle that keeps the engine's maps until a full collection)."""
     try:
         with open("/proc/self/maps", "rb") as f:
             return f.read().count(b"\n")
