@@ -104,7 +104,9 @@ def lora_params_from_adapter(adapter: LoRAAdapter, model_cfg: LlamaConfig, rank:
 
     rank = adapter.rank if rank is None else rank
     update = padded_update(adapter, model_cfg, rank, tuple(adapter.weights), np.float32)
-    return {f: {k: jnp.asarray(v[:, None], dtype) for k, v in ab.items()} for f, ab in update.items()}
+    # "M" (DoRA magnitudes, NaN where an adapter has none) is the slot write's input, not a trained
+    # parameter: DoRA is served, not trained here.
+    return {f: {k: jnp.asarray(v[:, None], dtype) for k, v in ab.items() if k != "M"} for f, ab in update.items()}
 
 
 def peft_tensors(params: LoRAState, model_cfg: LlamaConfig, config: Mapping[str, Any] | Any,
