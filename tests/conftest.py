@@ -41,6 +41,23 @@ def _collect_dropped_engines():
         gc.collect()
 
 
+@pytest.fixture
+def empty_compile_cache(tmp_path):
+    """JAX's persistent compile cache pointed at an empty folder for one test, and JAX's in-memory
+    caches cleared: the test's engine compiles its graphs (an earlier test of the process may have
+    turned the process-wide persistent cache on, and graphs it loads are not stored as executables)."""
+    import jax
+    from jax._src import compilation_cache
+
+    jax.clear_caches()
+    old = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "empty-xla-cache"))
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_compilation_cache_dir", old)
+    compilation_cache.reset_cache()
+
+
 # Small bucket sets keep warm-up short on a 2-core CI machine; the graphs are the same kind.
 TEST_ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128, max_loras=4, max_lora_rank=32,
                    token_buckets=(32, 128))

@@ -36,6 +36,16 @@ ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_
               token_buckets=(16, 32))
 
 
+def _spread(pm, b_scale: float, magnitude: tuple[float, float]) -> None:
+    """Moves a fresh peft model's adapters away from their init: B scaled, magnitudes jittered."""
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.mul_(b_scale)
+            if "lora_magnitude_vector" in n:
+                p.mul_(torch.empty_like(p).uniform_(*magnitude))
+
+
 @pytest.fixture(scope="module")
 def dora(tiny_dir, tmp_path_factory):
     """(root, adapter paths, PeftModel holding them all) for the tiny model."""
@@ -45,12 +55,7 @@ def dora(tiny_dir, tmp_path_factory):
         torch.manual_seed(200 + i)
         fresh = transformers.LlamaForCausalLM.from_pretrained(base_path)
         pm = peft.get_peft_model(fresh, peft.LoraConfig(init_lora_weights=False, **kw))
-        with torch.no_grad():
-            for n, p in pm.named_parameters():
-                if "lora_B" in n:
-                    p.mul_(3.0)
-                if "lora_magnitude_vector" in n:
-                    p.mul_(torch.empty_like(p).uniform_(0.5, 1.5))
+        _spread(pm, b_scale=3.0, magnitude=(0.5, 1.5))
         pm.save_pretrained(root / name)
     model = transformers.LlamaForCausalLM.from_pretrained(base_path).eval()
     names = list(ADAPTERS)
@@ -238,12 +243,7 @@ def test_real_model_dora_and_plain_rows_match_peft(real_llm, hf_real, tmp_path):
         torch.manual_seed(300 + i)
         pm = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, lora_dropout=0.0, **spec),
                                  adapter_name=name)
-        with torch.no_grad():
-            for n, p in pm.named_parameters():
-                if "lora_B" in n:
-                    p.mul_(0.3)
-                if "lora_magnitude_vector" in n:
-                    p.mul_(torch.empty_like(p).uniform_(0.8, 1.2))
+        _spread(pm, b_scale=0.3, magnitude=(0.8, 1.2))
         pm.save_pretrained(tmp_path, selected_adapters=[name])
         pm.unload()
     reqs = {n: LoRARequest(f"real-{n}", 700 + i, str(tmp_path / n)) for i, n in enumerate(specs)}

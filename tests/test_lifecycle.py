@@ -194,7 +194,8 @@ def _ended(prefixes: tuple[str, ...], ignore: frozenset[threading.Thread] = froz
     return [t.name for p in prefixes for t in _threads(p, ignore)]
 
 
-def test_the_server_and_then_the_llm_stop_every_thread_they_started(tiny_dir, tiny_adapters, tmp_path):
+def test_the_server_and_then_the_llm_stop_every_thread_they_started(tiny_dir, tiny_adapters, tmp_path,
+                                                                  empty_compile_cache):
     """Each pool an LLM and the server start: the server's lifespan ends its engine thread and its
     templating pool; `LLM.close()` the adapter converter's and the executable store's readers."""
     from fastapi.testclient import TestClient
@@ -204,21 +205,9 @@ def test_the_server_and_then_the_llm_stop_every_thread_they_started(tiny_dir, ti
     from jlora.server.app import build_app
 
     before = frozenset(threading.enumerate())  # only the threads this test's LLM and server start count
-    # Compiled here: only compiled graphs are stored, and the store's readers need files. An earlier
-    # test of this process may have turned JAX's persistent compile cache on (process-wide), holding
-    # these graphs; this test's engine gets an empty one.
-    from jax._src import compilation_cache
-
-    jax.clear_caches()
-    old_dir = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
-    compilation_cache.reset_cache()
-    try:
-        llm = LLM(str(tiny_dir[0]), progress=False, use_compilation_cache=False,
-                  executable_cache=str(tmp_path / "executables"), **ENGINE)
-    finally:
-        jax.config.update("jax_compilation_cache_dir", old_dir)
-        compilation_cache.reset_cache()
+    # Compiled here (`empty_compile_cache`): only compiled graphs are stored, and the store's readers need files.
+    llm = LLM(str(tiny_dir[0]), progress=False, use_compilation_cache=False,
+              executable_cache=str(tmp_path / "executables"), **ENGINE)
     runner_module.wait_for_stored_executables()
     llm.executable_store.prefetch(executables.graph_name(k) for k in llm.config.step_graphs())
     llm.engine.adapters.prepare_async(LoRARequest("a1", 1, str(tiny_adapters[1]))).result(60)

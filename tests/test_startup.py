@@ -560,7 +560,8 @@ def test_a_compile_cache_load_is_not_stored(tiny_dir, tmp_path):
     assert loaded["tokens"] == fresh["tokens"]
 
 
-def test_stored_executables_are_read_beside_the_weights_on_the_cpu_too(tiny_dir, tmp_path, monkeypatch):
+def test_stored_executables_are_read_beside_the_weights_on_the_cpu_too(tiny_dir, tmp_path, monkeypatch,
+                                                                       empty_compile_cache):
     """An eager start from stored executables starts reading them before the weights load, on XLA:CPU
     as on a TPU, and serves the tokens of the start that compiled them."""
     from jlora import LLM, SamplingParams
@@ -568,26 +569,13 @@ def test_stored_executables_are_read_beside_the_weights_on_the_cpu_too(tiny_dir,
     from jlora.engine.runner import wait_for_stored_executables
     from jlora.models import loading
 
-    from jax._src import compilation_cache
-
     path, _ = tiny_dir
     kw = dict(progress=False, use_compilation_cache=False, executable_cache=tmp_path / "executables", **SMALL)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    # Only graphs compiled here are stored: an earlier test of this process may have turned JAX's
-    # (process-wide) persistent compile cache on, holding these graphs; the first engine gets an
-    # empty one.
-    jax.clear_caches()
-    old_dir = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
-    compilation_cache.reset_cache()
-    try:
-        with LLM(path, **kw) as first:
-            want = [o.outputs[0].token_ids for o in first.generate(["The sea is", "One two three"], params)]
-            graphs = set(first.config.step_graphs())
-            wait_for_stored_executables()
-    finally:
-        jax.config.update("jax_compilation_cache_dir", old_dir)
-        compilation_cache.reset_cache()
+    with LLM(path, **kw) as first:  # compiles its graphs (`empty_compile_cache`), so it stores them
+        want = [o.outputs[0].token_ids for o in first.generate(["The sea is", "One two three"], params)]
+        graphs = set(first.config.step_graphs())
+        wait_for_stored_executables()
     events, prefetch, load_model = [], executables.ExecutableStore.prefetch, loading.load_model
     monkeypatch.setattr(executables.ExecutableStore, "prefetch",
                         lambda self, names: (events.append("prefetch"), prefetch(self, names))[1])
