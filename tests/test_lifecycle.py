@@ -1,7 +1,8 @@
 """Engines clean up after themselves: a dropped LLM frees its memory without the cyclic garbage
-collector, `close()` / `with` free it at once, a closed LLM says so, and neither closing nor
+collector (also once a server app has served it and stopped), `close()` / `with` free it at once, a closed LLM says so, and neither closing nor
 interpreter exit during a background warm-up waits long or reports a failure."""
 
+import asyncio
 import gc
 import subprocess
 import sys
@@ -272,7 +273,14 @@ def test_a_served_and_dropped_app_frees_its_llm_without_the_cyclic_collector(tin
             with live.http(timeout=httpx.Timeout(60, read=0.05)) as impatient, pytest.raises(httpx.ReadTimeout):
                 impatient.post("/v1/completions", json=long)  # give up waiting for a whole reply
             live.wait_idle()
-        assert app.state.stopped_cleanly
+        assert app.state.stopped_cleanly and not hasattr(app.state, "server")
+
+        async def serve_again() -> None:
+            async with app.router.lifespan_context(app):
+                pass
+
+        with pytest.raises(RuntimeError, match="already run and let go of its LLM"):
+            asyncio.run(serve_again())
         added = memory_maps() - before
         held = weakref.ref(llm)
         del llm, app, live, http, r, impatient

@@ -560,7 +560,9 @@ def _server(request: Request) -> OpenAIServer:
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    server: OpenAIServer = app.state.server
+    server: OpenAIServer | None = getattr(app.state, "server", None)
+    if server is None:  # the engine thread starts once, and the server was let go at the end of the first
+        raise RuntimeError("this app has already run and let go of its LLM: serve a new build_app(llm, ...)")
     server.engine.start()
     try:
         yield
