@@ -291,3 +291,37 @@ def test_a_served_and_dropped_app_frees_its_llm_without_the_cyclic_collector(tin
             gc.enable()
     assert not holders, f"the LLM outlived its app, held by {' <- '.join(holders)}"
     assert added > 0 and kept <= 0.25 * added, f"{kept} of the {added} memory maps the LLM and app added were kept"
+
+
+def test_naming_the_culprit_of_a_failed_step_leaves_no_reference_cycle():
+    """The engine thread reads the locals of a failed step's frames to name its culprit; the frame
+    that caught the failure (it holds the engine thread, so the LLM) is not read: a snapshot of its
+    locals would hold the exception, whose traceback holds that frame."""
+    from jlora.server.engine_thread import culprit_requests
+
+    class Engine:
+        pass
+
+    def step(batch: list) -> None:
+        raise RuntimeError("a step failed")
+
+    def turn(engine: Engine) -> list[str]:
+        try:
+            step([])
+        except RuntimeError as e:
+            return culprit_requests(e.__traceback__)
+        return ["unreached"]
+
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        engine = Engine()
+        held = weakref.ref(engine)
+        assert turn(engine) == []
+        del engine
+        alive = held() is not None
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert not alive, "the caught failure's traceback kept the caller's frame and its engine"

@@ -396,8 +396,13 @@ class EngineThread:
 
 def culprit_requests(tb: types.TracebackType | None) -> list[str]:
     """The request ids the innermost frame of `tb` that holds a `Sequence` or `Request` in a local
-    variable was handling (the scheduler's `seq`, the output loop's `s`); [] when no frame does."""
+    variable was handling (the scheduler's `seq`, the output loop's `s`); [] when no frame does.
+
+    The first frame (the caller's, which caught the exception) is not read: reading `f_locals`
+    stores a snapshot of the locals on the frame, and the caller's holds the exception, whose
+    traceback holds that frame: a reference cycle that kept the engine until a full collection."""
     frames = []
+    tb = tb.tb_next if tb is not None else None
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
