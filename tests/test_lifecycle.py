@@ -273,6 +273,9 @@ def test_a_served_and_dropped_app_frees_its_llm_without_the_cyclic_collector(tin
             with live.http(timeout=httpx.Timeout(60, read=0.05)) as impatient, pytest.raises(httpx.ReadTimeout):
                 impatient.post("/v1/completions", json=long)  # give up waiting for a whole reply
             live.wait_idle()
+            failed = live.srv.engine.call(lambda: 1 / 0)  # a command that raises on the engine thread
+            assert isinstance(failed.exception(60), ZeroDivisionError)
+            del failed
         assert app.state.stopped_cleanly and not hasattr(app.state, "server")
 
         async def serve_again() -> None:
@@ -285,11 +288,12 @@ def test_a_served_and_dropped_app_frees_its_llm_without_the_cyclic_collector(tin
         held = weakref.ref(llm)
         del llm, app, live, http, r, impatient
         kept = memory_maps() - before
-        holders = _holders(held()) if held() is not None else []
+        alive = held() is not None
+        holders = _holders(held()) if alive else []
     finally:
         if was_enabled:
             gc.enable()
-    assert not holders, f"the LLM outlived its app, held by {' <- '.join(holders)}"
+    assert not alive, f"the LLM outlived its app, held by {' <- '.join(holders)}"
     assert added > 0 and kept <= 0.25 * added, f"{kept} of the {added} memory maps the LLM and app added were kept"
 
 

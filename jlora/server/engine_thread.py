@@ -233,6 +233,7 @@ class EngineThread:
             return False
         while True:
             fn, fut = item
+            item = None
             if fut is None:
                 fn()
             elif fut.set_running_or_notify_cancel():
@@ -240,6 +241,9 @@ class EngineThread:
                     fut.set_result(fn())
                 except BaseException as e:  # handed to the caller
                     fut.set_exception(e)
+            # A failed command's traceback holds this frame: were the future (which holds the
+            # failure) still a local here, the cycle would keep the engine until a full collection.
+            fn = fut = None
             try:
                 item = self._cmds.get_nowait()
             except queue.Empty:
