@@ -9,36 +9,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # threads, 1.7 s on one). The references are small; XLA's own thread pool does not read this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import gc
-
 import pytest
-
-# Each engine holds its XLA:CPU executables' code mapped (~2,900 memory maps for the tiny model's).
-# Past Linux's 65,530 (vm.max_map_count) XLA segfaults in the next executable it loads or serializes.
-# A dropped engine frees its maps without the cyclic collector (tests/test_lifecycle.py), but engines
-# can still outlive their tests: FastAPI 0.165 caches route functions at module level, and the
-# routes of every `build_app` capture its server and so its LLM. A full run without this net
-# segfaulted there (2026-12-07, 73% through, in tests/test_prefix_cache.py's data-parallel test), so
-# the suite collects once a process holds this many maps.
-MAPS_BEFORE_COLLECTING = 16384
 
 
 def memory_maps() -> int:
-    """This process's memory mappings (0 where /proc is not there). A test that spies on an
-    engine's method sets it with monkeypatch, which deletes it after (assigning the bound method
-    back would make a reference cycle that keeps the engine's maps until a full collection)."""
+    """This process's memory mappings (0 where /proc is not there). Each engine holds its XLA:CPU
+    executables' code mapped (~2,900 maps for the tiny model's); past Linux's vm.max_map_count
+    (65,530) XLA segfaults in the next executable it loads or serializes, so a dropped engine or
+    server app must free its maps without the cyclic collector (tests/test_lifecycle.py). A test
+    that spies on an engine's method sets it with monkeypatch, which deletes it after (assigning
+    the bound method back would make a reference cycle that keeps the engine's maps until a full
+    collection)."""
     try:
         with open("/proc/self/maps", "rb") as f:
             return f.read().count(b"\n")
     except OSError:
         return 0
-
-
-@pytest.fixture(autouse=True)
-def _collect_dropped_engines():
-    yield
-    if memory_maps() > MAPS_BEFORE_COLLECTING:
-        gc.collect()
 
 
 @pytest.fixture

@@ -1,15 +1,18 @@
 """Engines clean up after themselves: a dropped LLM frees its memory without the cyclic garbage
-collector, `close()` / `with` free it at once, a closed LLM says so, and neither closing nor
+collector (also once a server app has served it and stopped), `close()` / `with` free it at once, a closed LLM says so, and neither closing nor
 interpreter exit during a background warm-up waits long or reports a failure."""
 
+import asyncio
 import gc
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import types
 import weakref
 
+import httpx
 import jax
 import pytest
 
@@ -222,3 +225,107 @@ def test_the_server_and_then_the_llm_stop_every_thread_they_started(tiny_dir, ti
     assert _threads("jlora-adapters", before)  # the LLM is the caller's: still open, its pools too
     llm.close()
     assert _ended(("jlora-adapters", "jlora-executables"), before) == []
+
+
+def _holders(obj: object, depth: int = 8) -> list[str]:
+    """One chain of referrer types from `obj` up (what keeps it alive), for a failure message."""
+    chain, seen = [], {id(obj)}
+    for _ in range(depth):
+        refs = gc.get_referrers(obj)
+        seen.add(id(refs))
+        nxt = next((r for r in refs if id(r) not in seen and not isinstance(r, types.FrameType)), None)
+        del refs
+        if nxt is None:
+            break
+        obj = nxt
+        seen.add(id(obj))
+        chain.append(type(obj).__qualname__ + (f" {obj.__qualname__}" if isinstance(obj, types.FunctionType) else ""))
+    return chain
+
+
+def test_a_served_and_dropped_app_frees_its_llm_without_the_cyclic_collector(tiny_dir, tiny_adapters):
+    """The app lets go of its server (engine thread, pools, the LLM) when its lifespan ends, and no
+    route, handler or middleware closes over it: FastAPI 0.165 keeps every route function in a
+    module-level cache, and a FastAPI app sits in reference cycles of its own (its docs routes
+    close over it), so either would keep the LLM's memory maps until a full collection or for ever."""
+    from live import KEY, serve_live
+    from jlora.server.app import build_app
+
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = memory_maps()
+        llm = LLM(str(tiny_dir[0]), progress=False, **ENGINE)
+        app = build_app(llm, "tiny", lora_modules={"a1": str(tiny_adapters[1])}, api_key=KEY)
+        with serve_live(llm, app) as live, live.http() as http:
+            body = {"model": "a1", "prompt": "Hello", "max_tokens": 2}
+            assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 2
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200 and "[DONE]" in r.read().decode()
+            assert http.post("/v1/completions", json={**body, "model": "nope"}).status_code == 404
+            assert http.post("/v1/completions", json={**body, "n": "x"}).status_code == 400
+            assert http.post("/tokenize", json={"prompt": "Hello"}).status_code == 200
+            assert http.get("/health").status_code == 200 and http.get("/openapi.json").status_code == 200
+            long = {**body, "max_tokens": 100, "ignore_eos": True}
+            with http.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:  # hang up mid-stream
+                next(line for line in r.iter_lines() if line.startswith("data: {"))
+            with live.http(timeout=httpx.Timeout(60, read=0.05)) as impatient, pytest.raises(httpx.ReadTimeout):
+                impatient.post("/v1/completions", json=long)  # give up waiting for a whole reply
+            live.wait_idle()
+            failed = live.srv.engine.call(lambda: 1 / 0)  # a command that raises on the engine thread
+            assert isinstance(failed.exception(60), ZeroDivisionError)
+            del failed
+        assert app.state.stopped_cleanly and not hasattr(app.state, "server")
+
+        async def serve_again() -> None:
+            async with app.router.lifespan_context(app):
+                pass
+
+        with pytest.raises(RuntimeError, match="already run and let go of its LLM"):
+            asyncio.run(serve_again())
+        added = memory_maps() - before
+        held = weakref.ref(llm)
+        del llm, app, live, http, r, impatient
+        kept = memory_maps() - before
+        alive = held() is not None
+        holders = _holders(held()) if alive else []
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert not alive, f"the LLM outlived its app, held by {' <- '.join(holders)}"
+    assert added > 0 and kept <= 0.25 * added, f"{kept} of the {added} memory maps the LLM and app added were kept"
+
+
+def test_naming_the_culprit_of_a_failed_step_leaves_no_reference_cycle():
+    """The engine thread reads the locals of a failed step's frames to name its culprit; the frame
+    that caught the failure (it holds the engine thread, so the LLM) is not read: a snapshot of its
+    locals would hold the exception, whose traceback holds that frame."""
+    from jlora.server.engine_thread import culprit_requests
+
+    class Engine:
+        pass
+
+    def step(batch: list) -> None:
+        raise RuntimeError("a step failed")
+
+    def turn(engine: Engine) -> list[str]:
+        try:
+            step([])
+        except RuntimeError as e:
+            return culprit_requests(e.__traceback__)
+        return ["unreached"]
+
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        engine = Engine()
+        held = weakref.ref(engine)
+        assert turn(engine) == []
+        del engine
+        alive = held() is not None
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert not alive, "the caught failure's traceback kept the caller's frame and its engine"

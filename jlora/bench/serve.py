@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError("the server did not start")
         time.sleep(0.02)
     base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    served = app.state.server.adapters  # the app lets go of its server when it stops
     models = [model_id, *DEMO_ADAPTERS]
     jobs = [(models[i % len(models)], QUESTIONS[i % len(QUESTIONS)]) for i in range(args.num_requests)]
     try:
@@ -170,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
     # The same requests offline (LLM.chat, everything queued at once): what the HTTP layer costs.
     from jlora import SamplingParams
 
-    served = app.state.server.adapters
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     t1 = time.perf_counter()
     outs = llm.chat([[{"role": "user", "content": q}] for _, q in jobs], params,

@@ -59,7 +59,8 @@ class OpenAIServer:
     def __init__(self, llm: Any, model_id: str, lora_modules: dict[str, str] | None = None,
                  enable_runtime_lora_updating: bool = False, lora_root: str | os.PathLike | None = None,
                  shutdown_grace_s: float = 0.0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 max_prompts: int = DEFAULT_MAX_PROMPTS, max_messages: int = DEFAULT_MAX_MESSAGES):
+                 max_prompts: int = DEFAULT_MAX_PROMPTS, max_messages: int = DEFAULT_MAX_MESSAGES,
+                 health_stall_timeout: float = DEFAULT_STALL_S):
         if enable_runtime_lora_updating and lora_root is None:
             raise ValueError("runtime adapter loading needs lora_root (--lora-root): paths are confined to it")
         self.llm = llm
@@ -70,6 +71,7 @@ class OpenAIServer:
         self.default_max_tokens = default_max_tokens
         self.max_prompts = max_prompts
         self.max_messages = max_messages
+        self.health_stall_timeout = health_stall_timeout  # /health: 503 after this long without progress
         # Templating and tokenizing run here, off the event loop (the streams of others keep flowing).
         self.prep = concurrent.futures.ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="jlora-prep")
         self.preparing = 0  # sequences of requests being prepared: counted against the waiting queue
@@ -237,9 +239,9 @@ class OpenAIServer:
         if req.stream:
             # The stream's finally aborts on a disconnect; the background close also covers a client
             # that leaves before the first chunk (the generator never started, so no finally runs).
-            return StreamingResponse(self._stream(gen, fmt, len(prompts)), media_type="text/event-stream",
+            return StreamingResponse(_stream(gen, fmt, len(prompts)), media_type="text/event-stream",
                                      background=BackgroundTask(gen.close))
-        return await _unless_disconnected(request, self._whole(gen, fmt))
+        return await _unless_disconnected(request, _whole(gen, fmt))
 
     def _check_work(self, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> int:
         """The sequences `req` would queue, counted from its parsed body alone: 400 naming the field
@@ -316,30 +318,34 @@ class OpenAIServer:
                         req.return_tokens_as_token_ids, echo_texts, prompt_only, tools, self.llm.engine.eos_token_id)
         return prompts, params, fmt
 
-    async def _whole(self, gen: Generation, fmt: Formatter) -> Response:
-        finals = {}
-        try:
-            async for u in gen.updates():
-                if u.finished:
-                    finals[u.index] = u
-        finally:
-            gen.close()
-        failed = [u.output.error for u in finals.values() if u.output.error]
-        if failed:
-            raise APIError(500, f"generation failed: {failed[0]}", code="engine_error")
-        return JSONResponse(fmt.whole(finals))
 
-    async def _stream(self, gen: Generation, fmt: Formatter, num_prompts: int) -> AsyncIterator[str]:
-        try:  # the finally runs when the client disconnects (the response task is cancelled) too
-            for c in fmt.role_chunks(num_prompts):
+async def _whole(gen: Generation, fmt: Formatter) -> Response:
+    finals = {}
+    try:
+        async for u in gen.updates():
+            if u.finished:
+                finals[u.index] = u
+    finally:
+        gen.close()
+    failed = [u.output.error for u in finals.values() if u.output.error]
+    if failed:
+        raise APIError(500, f"generation failed: {failed[0]}", code="engine_error")
+    return JSONResponse(fmt.whole(finals))
+
+
+async def _stream(gen: Generation, fmt: Formatter, num_prompts: int) -> AsyncIterator[str]:
+    """The event stream of one response (a module function: a cancelled stream's frames outlive it in
+    a reference cycle, and must not hold the server)."""
+    try:  # the finally runs when the client disconnects (the response task is cancelled) too
+        for c in fmt.role_chunks(num_prompts):
+            yield c
+        async for u in gen.updates():
+            for c in fmt.update_chunks(u) + fmt.error_chunk(u):
                 yield c
-            async for u in gen.updates():
-                for c in fmt.update_chunks(u) + fmt.error_chunk(u):
-                    yield c
-            for c in fmt.final_chunks():
-                yield c
-        finally:
-            gen.close()
+        for c in fmt.final_chunks():
+            yield c
+    finally:
+        gen.close()
 
 
 def _no_pickles(path: Path, raw: str) -> None:
@@ -494,107 +500,50 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
 
     The engine thread gets `shutdown_grace_s` to finish running requests and 5 s more to end; if it
     is wedged in a step the app stops without it (`stopped_cleanly` is False), so a SIGTERM always
-    ends the server."""
+    ends the server. When the lifespan ends the app lets go of its server (`app.state.server`, and
+    with it the LLM): the caller's own reference is then the LLM's last one.
+
+    The routes, handlers and lifespan reach the server only through `request.app.state` (they are
+    module functions): FastAPI 0.165 keeps every route function in a module-level cache, and a
+    FastAPI app sits in reference cycles of its own, so anything closing over the server would keep
+    the LLM (weights, KV cache, compiled code) alive after the app is dropped."""
     server = OpenAIServer(llm, model_id, lora_modules, enable_runtime_lora_updating, lora_root, shutdown_grace_s,
-                          default_max_tokens, max_prompts, max_messages)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.engine.start()
-        yield
-        app.state.stopped_cleanly = await asyncio.to_thread(server.engine.stop, server.shutdown_grace_s,
-                                                            server.shutdown_grace_s + 5.0)
-        server.prep.shutdown(wait=False, cancel_futures=True)
-        if not app.state.stopped_cleanly:
-            log.error("the engine thread did not stop within %.0f s; leaving it", server.shutdown_grace_s + 5.0)
-
-    app = FastAPI(title="jlora", version=_version(), lifespan=lifespan,
+                          default_max_tokens, max_prompts, max_messages, health_stall_timeout)
+    app = FastAPI(title="jlora", version=_version(), lifespan=_lifespan,
                   description="OpenAI-compatible multi-LoRA server (vLLM's routes and fields).")
     app.state.server = server
     app.state.stopped_cleanly = True
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError) -> JSONResponse:
-        if request.url.path in _GENERATION_PATHS and e.status < 500:
-            server.metrics.requests.labels(status="rejected").inc()
-        return ErrorJSON(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        if errors and errors[0].get("type") == "json_invalid":
-            ctx = errors[0].get("ctx") or {}
-            return await api_error(request, APIError(400, f"malformed JSON body: {ctx.get('error', errors[0]['msg'])}",
-                                                     param="body"))
-        by_field: dict[str, str] = {}  # one message per field (a union type yields one error per member)
-        for err in errors:
-            by_field.setdefault(_field_path(err.get("loc", ())), err.get("msg", "invalid"))
-        message = "; ".join(f"{f}: {m}" for f, m in by_field.items()) or "invalid request body"
-        return await api_error(request, APIError(400, message, param=next(iter(by_field), None)))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        param = "body" if e.status_code == 413 else None
-        return ErrorJSON(error_body(e.status_code, str(e.detail), param=param), status_code=e.status_code,
-                         headers=e.headers)
-
-    @app.get("/health", response_class=Response,
-             responses={200: {"description": "Serving", "content": None},
-                        503: {"description": "The engine thread has stopped or is stuck", "content": None}})
-    async def health() -> Response:
-        ok = server.engine.alive and server.engine.seconds_since_progress() <= health_stall_timeout
-        return Response(status_code=200 if ok else 503)
-
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus metrics", "content": {CONTENT_TYPE.split(";")[0]: {}}},
-                        401: _ERRORS[401]})
-    async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models", responses={401: _ERRORS[401]})
-    async def models() -> dict[str, Any]:
-        return server.models()
-
-    @app.get("/v1/models/{model_id:path}", responses={k: _ERRORS[k] for k in (401, 404)})
-    async def model(model_id: str) -> dict[str, Any]:
-        return server.model(model_id)
-
-    @app.get("/version", response_model=VersionResponse)
-    async def version() -> dict[str, str]:
-        return {"version": app.version}
-
-    @app.post("/tokenize", response_model=TokenizeResponse, responses={k: _ERRORS[k] for k in (400, 404, 413)})
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return await asyncio.get_running_loop().run_in_executor(server.prep, server.tokenize, body)
-
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses={k: _ERRORS[k] for k in (400, 404, 413)})
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return await asyncio.get_running_loop().run_in_executor(server.prep, server.detokenize, body)
-
+    app.get("/health", response_class=Response, name="health",
+            responses={200: {"description": "Serving", "content": None},
+                       503: {"description": "The engine thread has stopped or is stuck", "content": None}})(_health)
+    app.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus metrics", "content": {CONTENT_TYPE.split(";")[0]: {}}},
+                       401: _ERRORS[401]}, name="metrics")(_metrics)
+    app.get("/v1/models", responses={401: _ERRORS[401]}, name="models")(_models)
+    app.get("/v1/models/{model_id:path}", responses={k: _ERRORS[k] for k in (401, 404)}, name="model")(_model)
+    app.get("/version", response_model=VersionResponse, name="version")(_version_route)
+    app.post("/tokenize", response_model=TokenizeResponse,
+             responses={k: _ERRORS[k] for k in (400, 404, 413)}, name="tokenize")(_tokenize)
+    app.post("/detokenize", response_model=DetokenizeResponse,
+             responses={k: _ERRORS[k] for k in (400, 404, 413)}, name="detokenize")(_detokenize)
     generation = {k: _ERRORS[k] for k in (400, 401, 404, 413, 429, 500, 503)}
     generation[200] = {"description": "The completion, or with stream=true an event stream of chunks",
                        "content": {"text/event-stream": {}}}
-
-    @app.post("/v1/completions", responses=generation)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await server.complete(body, request)
-
-    @app.post("/v1/chat/completions", responses=generation)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await server.complete(body, request)
-
+    app.post("/v1/completions", responses=generation, name="completions")(_completions)
+    app.post("/v1/chat/completions", responses=generation, name="chat_completions")(_chat_completions)
     if enable_runtime_lora_updating:
         adapter_errors = {k: _ERRORS[k] for k in (400, 401, 404, 413)}
+        app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+                 responses=adapter_errors, name="load_lora_adapter")(_load_lora_adapter)
+        app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+                 responses=adapter_errors, name="unload_lora_adapter")(_unload_lora_adapter)
 
-        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=adapter_errors)
-        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-            return PlainTextResponse(await server.load_adapter(body))
-
-        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=adapter_errors)
-        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-            return PlainTextResponse(await server.unload_adapter(body))
-
-    app.openapi = lambda: _openapi(app, server)  # type: ignore[method-assign]
+    limits = _schema_limits(server)  # plain numbers: the schema outlives the server
+    app.openapi = lambda: _openapi(app, limits)  # type: ignore[method-assign]
     if api_key:
         app.add_middleware(_BearerAuth, api_key=api_key, metrics_auth=metrics_auth)
     app.add_middleware(_BodySizeLimit, max_bytes=max_request_bytes)  # before auth reads anything
@@ -602,7 +551,109 @@ def build_app(llm: Any, model_id: str, *, lora_modules: dict[str, str] | None = 
     return app
 
 
-def _openapi(app: FastAPI, server: OpenAIServer) -> dict[str, Any]:
+# ---- lifespan, handlers and routes: module functions that reach the server through the request --------
+
+
+def _server(request: Request) -> OpenAIServer:
+    return request.app.state.server
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    server: OpenAIServer | None = getattr(app.state, "server", None)
+    if server is None:  # the engine thread starts once, and the server was let go at the end of the first
+        raise RuntimeError("this app has already run and let go of its LLM: serve a new build_app(llm, ...)")
+    server.engine.start()
+    try:
+        yield
+        app.state.stopped_cleanly = await asyncio.to_thread(server.engine.stop, server.shutdown_grace_s,
+                                                            server.shutdown_grace_s + 5.0)
+        server.prep.shutdown(wait=False, cancel_futures=True)
+        if not app.state.stopped_cleanly:
+            log.error("the engine thread did not stop within %.0f s; leaving it", server.shutdown_grace_s + 5.0)
+    finally:
+        del app.state.server  # the app (cyclic, possibly long-lived) no longer holds the LLM
+
+
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    if request.url.path in _GENERATION_PATHS and e.status < 500:
+        _server(request).metrics.requests.labels(status="rejected").inc()
+    return ErrorJSON(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    errors = e.errors()
+    if errors and errors[0].get("type") == "json_invalid":
+        ctx = errors[0].get("ctx") or {}
+        return await _api_error(request, APIError(400, f"malformed JSON body: {ctx.get('error', errors[0]['msg'])}",
+                                                  param="body"))
+    by_field: dict[str, str] = {}  # one message per field (a union type yields one error per member)
+    for err in errors:
+        by_field.setdefault(_field_path(err.get("loc", ())), err.get("msg", "invalid"))
+    message = "; ".join(f"{f}: {m}" for f, m in by_field.items()) or "invalid request body"
+    return await _api_error(request, APIError(400, message, param=next(iter(by_field), None)))
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    param = "body" if e.status_code == 413 else None
+    return ErrorJSON(error_body(e.status_code, str(e.detail), param=param), status_code=e.status_code,
+                     headers=e.headers)
+
+
+async def _health(request: Request) -> Response:
+    server = _server(request)
+    ok = server.engine.alive and server.engine.seconds_since_progress() <= server.health_stall_timeout
+    return Response(status_code=200 if ok else 503)
+
+
+async def _metrics(request: Request) -> Response:
+    return Response(_server(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _models(request: Request) -> dict[str, Any]:
+    return _server(request).models()
+
+
+async def _model(model_id: str, request: Request) -> dict[str, Any]:
+    return _server(request).model(model_id)
+
+
+async def _version_route(request: Request) -> dict[str, str]:
+    return {"version": request.app.version}
+
+
+async def _tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    server = _server(request)
+    return await asyncio.get_running_loop().run_in_executor(server.prep, server.tokenize, body)
+
+
+async def _detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    server = _server(request)
+    return await asyncio.get_running_loop().run_in_executor(server.prep, server.detokenize, body)
+
+
+async def _completions(body: CompletionRequest, request: Request) -> Response:
+    return await _server(request).complete(body, request)
+
+
+async def _chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _server(request).complete(body, request)
+
+
+async def _load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
+    return PlainTextResponse(await _server(request).load_adapter(body))
+
+
+async def _unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+    return PlainTextResponse(await _server(request).unload_adapter(body))
+
+
+def _schema_limits(server: OpenAIServer) -> dict[str, int]:
+    return {"max_n": server.max_n, "max_model_len": server.max_model_len, "vocab_size": server.vocab_size,
+            "max_messages": server.max_messages}
+
+
+def _openapi(app: FastAPI, limits: dict[str, int]) -> dict[str, Any]:
     """FastAPI's schema with what this server adds: its own maxima (n up to --max-n, max_tokens up
     to the context, token ids below the vocabulary, messages up to --max-messages-per-request), and 400 in place of FastAPI's 422 (errors
     here are OpenAI error objects, always JSON)."""
@@ -616,9 +667,10 @@ def _openapi(app: FastAPI, server: OpenAIServer) -> dict[str, Any]:
             for status, resp in responses.items():  # errors are JSON whatever the route's own type
                 if int(status) >= 400 and resp.get("content"):
                     resp["content"] = {"application/json": next(iter(resp["content"].values()))}
-    maxima = {"n": server.max_n, "best_of": server.max_n, "max_tokens": server.max_model_len - 1,
-              "max_completion_tokens": server.max_model_len - 1, "top_k": server.vocab_size}
-    token_max = server.vocab_size - 1
+    max_n, max_len, vocab = limits["max_n"], limits["max_model_len"], limits["vocab_size"]
+    maxima = {"n": max_n, "best_of": max_n, "max_tokens": max_len - 1, "max_completion_tokens": max_len - 1,
+              "top_k": vocab}
+    token_max = vocab - 1
     comps = schema.get("components", {}).get("schemas", {})
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = comps.get(name, {}).get("properties", {})
@@ -631,7 +683,7 @@ def _openapi(app: FastAPI, server: OpenAIServer) -> dict[str, Any]:
     for name in ("ChatCompletionRequest", "TokenizeRequest"):
         props = comps.get(name, {}).get("properties", {})
         if "messages" in props:
-            _set_max_items(props["messages"], server.max_messages)
+            _set_max_items(props["messages"], limits["max_messages"])
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)
     app.openapi_schema = schema

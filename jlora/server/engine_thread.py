@@ -233,6 +233,7 @@ class EngineThread:
             return False
         while True:
             fn, fut = item
+            item = None
             if fut is None:
                 fn()
             elif fut.set_running_or_notify_cancel():
@@ -240,6 +241,9 @@ class EngineThread:
                     fut.set_result(fn())
                 except BaseException as e:  # handed to the caller
                     fut.set_exception(e)
+            # A failed command's traceback holds this frame: were the future (which holds the
+            # failure) still a local here, the cycle would keep the engine until a full collection.
+            fn = fut = None
             try:
                 item = self._cmds.get_nowait()
             except queue.Empty:
@@ -396,8 +400,13 @@ class EngineThread:
 
 def culprit_requests(tb: types.TracebackType | None) -> list[str]:
     """The request ids the innermost frame of `tb` that holds a `Sequence` or `Request` in a local
-    variable was handling (the scheduler's `seq`, the output loop's `s`); [] when no frame does."""
+    variable was handling (the scheduler's `seq`, the output loop's `s`); [] when no frame does.
+
+    The first frame (the caller's, which caught the exception) is not read: reading `f_locals`
+    stores a snapshot of the locals on the frame, and the caller's holds the exception, whose
+    traceback holds that frame: a reference cycle that kept the engine until a full collection."""
     frames = []
+    tb = tb.tb_next if tb is not None else None
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next

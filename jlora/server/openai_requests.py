@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import weakref
 from typing import Any, AsyncIterator
 
 from jlora.adapters.request import LoRACombination, LoRARequest
@@ -189,14 +190,25 @@ def check_lengths(prompts: list[Prompt], max_tokens: int | None, max_model_len: 
 
 
 class Generation:
-    """The engine requests behind one HTTP request, and their updates as an async stream."""
+    """The engine requests behind one HTTP request, and their updates as an async stream.
+
+    It holds the engine thread weakly: a response cancelled by a disconnect leaves a reference
+    cycle (anyio's CancelledError, its traceback, the response's frames) that keeps this object
+    until a full collection, and must not keep the LLM with it (the server holds the thread)."""
 
     def __init__(self, engine: EngineThread, prefix: str, num_prompts: int, received: float):
-        self.engine = engine
+        self._engine = weakref.ref(engine)
         self.request_ids = [f"{prefix}-{i}" for i in range(num_prompts)]
         self.pending = set(range(num_prompts))
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         self.received = received  # time.time() when the HTTP request arrived
+
+    @property
+    def engine(self) -> EngineThread:
+        engine = self._engine()
+        if engine is None:
+            raise ShuttingDown("the server has stopped")
+        return engine
 
     async def start(self, prompts: list[Prompt], params: SamplingParams,
                     lora: LoRARequest | LoRACombination | None) -> None:
@@ -243,6 +255,7 @@ class Generation:
 
     def close(self) -> None:
         """Abort what has not finished (the client went away); frees KV blocks and slot pins."""
-        if self.pending:
-            self.engine.abort([self.request_ids[i] for i in sorted(self.pending)])
-            self.pending.clear()
+        engine = self._engine()
+        if self.pending and engine is not None:  # a stopped server's engine thread aborted them itself
+            engine.abort([self.request_ids[i] for i in sorted(self.pending)])
+        self.pending.clear()

@@ -90,11 +90,11 @@ def make_server(app: Any, host: str, port: int, shutdown_timeout: float = 30.0, 
     """
     import uvicorn
 
-    engine = getattr(getattr(app, "state", None), "server", None)
-    engine = getattr(engine, "engine", None)
-
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
+            # Looked up now, not closed over: a class is in reference cycles, so a captured engine
+            # thread would keep the LLM alive after the server is dropped (until a full collection).
+            engine = getattr(getattr(getattr(app, "state", None), "server", None), "engine", None)
             if engine is not None:
                 engine.begin_stop(shutdown_timeout)
             await super().shutdown(sockets)
