@@ -671,7 +671,8 @@ def check_engine(llm: Any, path: Path, workdir: Path, quantization: str | None =
     """`llm` itself (the engine a benchmark is about to time) against a CPU process running its
     checkpoint at `path` with the same sizes: `compare` over `coverage_phases` of its config, with
     as many of the check's adapters as its max_lora_rank takes. The reference is float32 where
-    the model's float32 weights take under 16 GB of the host, else bfloat16."""
+    the model's float32 weights take under 16 GB of the host, else bfloat16, with the engine's KV
+    cache dtype (an int8 cache is held against the CPU's int8 cache)."""
     import jax
 
     c, cfg = llm.config, llm.engine.runner.cfg
@@ -682,7 +683,8 @@ def check_engine(llm: Any, path: Path, workdir: Path, quantization: str | None =
                                       * cfg.head_dim + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
                                       + 3 * cfg.hidden_size * cfg.intermediate_size) + 2 * cfg.vocab_size * cfg.hidden_size
     ref_dtype = "float32" if params * 4 < 16e9 else "bfloat16"
-    case = dict(name="engine", model="engine", sizes=sizes, quantization=quantization, dtype=ref_dtype, kwargs={})
+    case = dict(name="engine", model="engine", sizes=sizes, quantization=quantization, dtype=ref_dtype, kwargs={},
+                kv_cache_dtype=c.kv_cache_dtype)
     adapters = [str(p) for p in write_check_adapters(cfg, workdir / "adapters")]
     ranks = [max([json.loads((Path(a) / "adapter_config.json").read_text())["r"]]
                  + list(json.loads((Path(a) / "adapter_config.json").read_text()).get("rank_pattern", {}).values()))
@@ -713,7 +715,7 @@ def check_engine(llm: Any, path: Path, workdir: Path, quantization: str | None =
     dtype = "float32" if jax.numpy.dtype(llm.model.dtype) == jax.numpy.float32 else "bfloat16"
     target = TARGETS["int8" if quantization == "int8" else dtype]
     verdict = compare(ref, got, target)
-    verdict.update(reference_dtype=ref_dtype, seconds=time.perf_counter() - t0,
+    verdict.update(reference_dtype=ref_dtype, kv_cache_dtype=c.kv_cache_dtype, seconds=time.perf_counter() - t0,
                    reference_seconds=ref.get("seconds_total"), adapters=len(adapters))
     return verdict
 
