@@ -239,3 +239,13 @@ def test_smollm2_int8_cache_agrees_with_the_float_cache(real_llm):
     assert rate >= 0.95
     assert max(margins, default=0.0) < 0.25  # only near-ties flip
     assert dmax < 3.0
+
+
+def test_cli_flag_reaches_llm(cli_llm_kwargs, capsys):
+    generate, serve = cli_llm_kwargs
+    assert generate(["--kv-cache-dtype", "int8"])["kv_cache_dtype"] == "int8"
+    assert generate([])["kv_cache_dtype"] == "auto"
+    assert serve(["--kv-cache-dtype", "int8"])["kv_cache_dtype"] == "int8"
+    capsys.readouterr()
+    assert generate(["--kv-cache-dtype", "int4"]) == {}  # the parser exits before an LLM is made
+    assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err
