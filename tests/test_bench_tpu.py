@@ -151,6 +151,7 @@ def test_dry_run_of_every_section_on_the_cpu(tmp_path):
     assert eng["compiles_after_warmup"] == 0 and eng["whole_cache_copies"] == [] and eng["whole_weight_copies"] == []
     # The engine's own check against a CPU process came before its timed rows, every graph run.
     assert eng["check"]["passed"] and eng["check"]["graphs_not_run"] == [] and eng["check"]["rows_equal"] > 0
+    assert eng["check"]["reference_started_early"]  # planned before LLM() from the config it then built
     assert eng["lora_slices"] == "before" and eng["adapter_first_load_s"] > 0  # adapters loaded before the timing
     # two rounds of the workload under each prefill policy, folded per workload (no adapter-free run: no cost)
     assert [w["rounds"] for w in eng["repeat_summary"]["workloads"].values()] == [2, 2]

@@ -10,6 +10,7 @@ float32 data that leaves the step, so the bug shows on the CPU.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,53 @@ def test_chip_check_passes_the_cpu_against_itself(tmp_path):
     assert res["passed"], case
     assert case["rows_equal"] == case["rows"] > 20 and case["graphs_not_run"] == []
     assert case["teacher_forced_logprob_max_diff"] < 1e-4 and case["positions"] > 300
+
+
+def test_feature_requests_are_scales_a_combination_and_dora(tmp_path):
+    from jlora import LoRARequest
+    from jlora.adapters.request import LoRACombination
+    from jlora.models.loading import read_model_config, resolve_model_path
+    from jlora.models import default_model_path
+
+    cfg = read_model_config(resolve_model_path(str(default_model_path())))
+    case = {c["name"]: c for c in chip_check.default_cases(["smollm2"])}["smollm2 float32, adapter features"]
+    paths, specs = chip_check.case_adapters(case, cfg, tmp_path)
+    loras = chip_check._loras(paths, specs)
+    assert len(loras) == len(chip_check.FEATURE_SPECS) == 9
+    assert [loras[i].scale for i in (0, 2, 3, 4, 5, 6, 7, 8)] == [0.5, 1.0, -0.75] + [1.0] * 5
+    assert loras[0].lora_name == loras[4].lora_name  # one adapter, two scales: one slot
+    assert isinstance(loras[1], LoRACombination) and loras[1].weights == (0.7, 0.5)
+    assert [p.lora_name for p in loras[1].parts] == [loras[4].lora_name, loras[6].lora_name]
+    dora = json.loads((Path(paths[5]) / "adapter_config.json").read_text())
+    assert dora["use_dora"] is True and isinstance(loras[2], LoRARequest) and loras[2].lora_path == paths[5]
+    from safetensors.numpy import load_file
+
+    mags = [v for k, v in load_file(str(Path(paths[5]) / "adapter_model.safetensors")).items()
+            if k.endswith("lora_magnitude_vector")]
+    assert len(mags) == 2 * cfg.num_hidden_layers and all(0.5 <= m.min() and m.max() <= 2.0 for m in mags)
+    # planned like the other cases, with a reference of its own
+    assert chip_check.reference_key(case) != chip_check.reference_key(
+        {c["name"]: c for c in chip_check.default_cases(["smollm2"])}["smollm2 float32"])
+
+
+@pytest.mark.slow  # two tiny engines and a CPU reference process: ~60 s on 2 cores
+def test_chip_check_holds_adapter_features_and_fails_an_ignored_scale(tmp_path, monkeypatch):
+    """Scales, a combination and DoRA rows pass the CPU against itself; an engine that drops the
+    per-request scale (every row at 1.0) fails against the unpatched reference process."""
+    name = "tiny float32, adapter features"
+    res = chip_check.run_check(["tiny"], tmp_path / "out", tmp_path, only=[name])
+    case = res["cases"][name]
+    assert res["passed"] and case["rows_equal"] == case["rows"] and case["graphs_not_run"] == [], case
+    real = runner_module.fill_slots
+
+    def scale_ignored(batch, rows, s):
+        real(batch, rows, s)
+        batch["slot_scale"][rows] = 1.0
+
+    monkeypatch.setattr(runner_module, "fill_slots", scale_ignored)
+    res = chip_check.run_check(["tiny"], tmp_path / "out2", tmp_path, only=[name])
+    broken = res["cases"][name]
+    assert not res["passed"] and broken["rows_diverged"] > 0, broken
 
 
 def test_w8a8_ops_are_held_bit_for_bit(monkeypatch):

@@ -166,6 +166,47 @@ def write_check_adapters(model_cfg: Any, root: Path, seed: int = 0) -> list[Path
     return paths
 
 
+
+def write_dora_adapter(model_cfg: Any, root: Path, seed: int = 0) -> Path:
+    """A PEFT DoRA adapter (use_dora, q/v, rank 8), made with NumPy from `seed` like
+    `write_check_adapters`'s: `lora_magnitude_vector` ~ U(0.5, 2.0) per output column, so the
+    factor m / ||W + s B A|| moves every column by a different amount."""
+    from safetensors.numpy import save_file
+
+    c = model_cfg
+    d, h, kvh, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    rng = np.random.default_rng(seed * 1000 + 77)
+    out = root / "dora-qv-r8"
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for i in range(c.num_hidden_layers):
+        for m, dout in (("q_proj", h * dh), ("v_proj", kvh * dh)):
+            p = f"base_model.model.model.layers.{i}.self_attn.{m}."
+            bound = 1.0 / np.sqrt(d)
+            tensors[p + "lora_A.weight"] = rng.uniform(-bound, bound, (8, d)).astype(np.float32)
+            tensors[p + "lora_B.weight"] = (rng.standard_normal((dout, 8)) * 0.05).astype(np.float32)
+            tensors[p + "lora_magnitude_vector"] = rng.uniform(0.5, 2.0, dout).astype(np.float32)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "SmolLM2-135M-Instruct",
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "r": 8, "lora_alpha": 16,
+        "target_modules": ["q_proj", "v_proj"], "use_dora": True}, indent=1))
+    return out
+
+
+# The "adapter features" cases' requests, by index into [*write_check_adapters, write_dora_adapter]:
+# an adapter at a per-request scale, a weighted combination of two (peft's add_weighted_adapter
+# "cat"), DoRA, another scale, then each adapter as it is (the same slots as the scaled ones, in
+# the same batches). The features come first: a phase's rows take these in order, so even a
+# 1-row bucket runs one and a 4-row bucket all four.
+FEATURE_SPECS: tuple[dict[str, Any], ...] = (
+    {"adapter": 0, "scale": 0.5},
+    {"combine": [0, 2], "weights": [0.7, 0.5]},
+    {"adapter": 5},
+    {"adapter": 1, "scale": -0.75},
+    *({"adapter": i} for i in range(5)),
+)
+
 CHAT_PROMPTS = (
     "What is the capital of France?", "Write a haiku about the sea.", "Name a fruit that is yellow.",
     "How many legs does a spider have?", "Give me one tip for learning to cook.", "What is 12 times 7?",
@@ -358,14 +399,16 @@ def default_cases(names: Sequence[str], optional: bool = False) -> list[dict[str
             # them (measured on the CPU alone: a 1e-7 relative change of one norm weight moves
             # teacher-forced top-1 to 69%), and no engine-level tolerance can tell a chip's fault.
             dict(base, name="smollm2 int8-weight-only", dtype="float32", quantization="int8-weight-only", kwargs={}),
+            # Per-request scales, a combination and DoRA mixed with plain adapters and base rows.
+            dict(base, name="smollm2 float32, adapter features", dtype="float32", kwargs={}, features=True),
         ]
         if optional:
             # The int8 KV cache (kv_cache_dtype="int8"), the chip's configuration (bfloat16 compute,
             # the Pallas kernel reading int8 pages): its reference is the CPU running the same int8
             # cache in float32 compute, so what is held is the chip's kernel and bf16 math, not the
             # cache's rounding (that is measured on the CPU: tests/test_kv_int8.py, 97.1% teacher-forced
-            # top-1 on SmolLM2 against a float32 cache). Held to the bfloat16 targets. Optional: a
-            # seventh SmolLM2 engine and a second CPU reference would lengthen every default run.
+            # top-1 on SmolLM2 against a float32 cache). Held to the bfloat16 targets. Optional: one more
+            # SmolLM2 engine and another CPU reference would lengthen every default run.
             cases.append(dict(base, name="smollm2 bfloat16, int8 KV", dtype="bfloat16", kv_cache_dtype="int8",
                               kwargs={}))
     if "1b" in names:
@@ -376,6 +419,7 @@ def default_cases(names: Sequence[str], optional: bool = False) -> list[dict[str
     if "tiny" in names:
         base = dict(model="tiny", sizes=TINY_SIZES, quantization=None, dtype="float32")
         cases += [dict(base, name="tiny float32", kwargs={}),
+                  dict(base, name="tiny float32, adapter features", kwargs={}, features=True),
                   dict(base, name="tiny float32, sync, no prefix cache", kwargs=dict(async_scheduling=False,
                                                                                   enable_prefix_caching=False)),
                   dict(base, name="tiny bfloat16", dtype="bfloat16", kwargs={})]
@@ -424,8 +468,8 @@ def target_for(case: dict[str, Any]) -> dict[str, float]:
 
 
 def reference_key(case: dict[str, Any]) -> str:
-    """Cases with one model, quantization, KV cache dtype and sizes share one CPU reference (float32)."""
-    key = [case["model"], case.get("quantization"), case["sizes"]]
+    """Cases with one model, quantization, sizes, requests and KV cache dtype share one CPU reference (float32)."""
+    key = [case["model"], case.get("quantization"), case["sizes"], bool(case.get("features"))]
     if case.get("kv_cache_dtype", "auto") != "auto":
         key.append(case["kv_cache_dtype"])
     return json.dumps(key, sort_keys=True)
@@ -445,7 +489,15 @@ def case_phases(case: dict[str, Any], vocab: int, backend: str) -> list[Phase]:
     from jlora.engine_args import engine_config
 
     config = engine_config(backend=backend, **case["sizes"])
-    return coverage_phases(config, vocab, n_adapters=5)
+    return coverage_phases(config, vocab, n_adapters=len(FEATURE_SPECS) if case.get("features") else 5)
+
+
+def case_adapters(case: dict[str, Any], cfg: Any, workdir: Path) -> tuple[list[str], list[dict[str, Any]] | None]:
+    """The adapter directories of a case and, for an "adapter features" case, its request specs."""
+    paths = [str(p) for p in write_check_adapters(cfg, workdir / f"adapters-{case['model']}")]
+    if not case.get("features"):
+        return paths, None
+    return paths + [str(write_dora_adapter(cfg, workdir / f"adapters-{case['model']}"))], list(FEATURE_SPECS)
 
 
 # ---- the reference process ------------------------------------------------------------------------
@@ -461,7 +513,7 @@ def reference_main(spec_path: Path) -> int:
         case = item["case"]
         t0 = time.perf_counter()
         llm = build_llm(Path(item["path"]), case, case["dtype"], warmup=False, async_scheduling=False)
-        loras = _loras(item["adapters"])
+        loras = _loras(item["adapters"], item.get("lora_specs"))
         phases = [Phase.from_json(p) for p in item["phases"]]
         res = run_case(llm, phases, loras)
         if item.get("peft"):
@@ -487,19 +539,39 @@ def _sources_digest() -> str:
 CHECK_LORA_ID = 90001  # the check's adapters' first lora_int_id: clear of the ids a benchmark's own adapters take
 
 
-def _loras(paths: Sequence[str]) -> list[Any]:
+def _loras(paths: Sequence[str], specs: Sequence[dict[str, Any]] | None = None) -> list[Any]:
+    """One LoRARequest per adapter path, or per spec of `FEATURE_SPECS`' form where `specs` is given."""
     from jlora import LoRARequest
 
-    return [LoRARequest(f"check-{Path(p).name}", CHECK_LORA_ID + i, p) for i, p in enumerate(paths)]
+    plain = [LoRARequest(f"check-{Path(p).name}", CHECK_LORA_ID + i, p) for i, p in enumerate(paths)]
+    if specs is None:
+        return plain
+    out = []
+    for spec in specs:
+        if "combine" in spec:
+            out.append(LoRARequest.combine(*(plain[i] for i in spec["combine"]), weights=tuple(spec["weights"])))
+        else:
+            base = plain[spec["adapter"]]
+            out.append(dataclasses.replace(base, scale=spec.get("scale", 1.0)))
+    return out
+
+
+def _unload(llm: Any, loras: Sequence[Any]) -> None:
+    """The check's adapters out of `llm` (a benchmark goes on to time it without them)."""
+    for name in sorted({part.lora_name for lora in loras for part in lora.parts}):
+        llm.engine.adapters.unload(name)
 
 
 def start_reference(spec: dict[str, Any], workdir: Path) -> subprocess.Popen:
-    """The CPU reference process (its JAX on the CPU only), started beside the chip's work."""
+    """The CPU reference process (its JAX on the CPU only), started beside the chip's work. Its spec
+    and log are named by its first reference's file, so references started side by side in one
+    directory keep theirs."""
     workdir.mkdir(parents=True, exist_ok=True)
-    spec_path = workdir / "reference-spec.json"
+    stem = Path(spec["references"][0]["out"]).stem if spec["references"] else "reference"
+    spec_path = workdir / f"{stem}.spec.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    log = open(workdir / "reference.log", "w")
+    log = open(workdir / f"{stem}.log", "w")
     return subprocess.Popen([sys.executable, "-m", "jlora.bench.chip_check", "reference", "--spec", str(spec_path)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -509,7 +581,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 1800) -> dict[
     while not path.is_file():
         if proc.poll() is not None and not path.is_file():
             raise RuntimeError(f"the CPU reference process ended ({proc.returncode}) without {path.name}; "
-                               f"see {path.parent / 'reference.log'}")
+                               f"see the reference logs in {path.parent}")
         if time.perf_counter() - t0 > timeout:
             raise TimeoutError(f"no CPU reference {path.name} after {timeout:.0f} s")
         time.sleep(0.5)
@@ -568,19 +640,22 @@ def run_check(names: Sequence[str], out: Path, workdir: Path, model: Path | None
     for case in cases:
         path = paths[case["model"]]
         cfg = read_model_config(resolve_model_path(str(path)))
-        if case["model"] not in adapters:
-            adapters[case["model"]] = [str(p) for p in write_check_adapters(cfg, workdir / f"adapters-{case['model']}")]
+        adapters[case["name"]] = case_adapters(case, cfg, workdir)
         phases[case["name"]] = case_phases(case, cfg.vocab_size, backend)
         key = reference_key(case)
         if key not in refs:
             item = dict(key=key, case=dict(case, kwargs={}, dtype="float32"), path=str(path),
-                        adapters=adapters[case["model"]], phases=[p.to_json() for p in phases[case["name"]]],
-                        peft=case["model"] == "smollm2")
+                        adapters=adapters[case["name"]][0], lora_specs=adapters[case["name"]][1],
+                        phases=[p.to_json() for p in phases[case["name"]]],
+                        peft=case["model"] == "smollm2" and not case.get("features"))
             # Named by what it holds: a reference left by a run of other phases or code is not reused.
             digest = hashlib.sha256(json.dumps([item, _sources_digest()], sort_keys=True).encode()).hexdigest()[:16]
             refs[key] = workdir / f"reference-{digest}.json"
             spec["references"].append(dict(item, out=str(refs[key])))
-    proc = start_reference(spec, workdir)
+    # One CPU process per reference, side by side: a reference is mostly XLA:CPU compiling its
+    # graphs one at a time, so several use a chip host's cores where one after another would not.
+    procs = {key: start_reference(dict(references=[item]), workdir)
+             for key, item in zip(refs, spec["references"])}
     greedy_of: dict[str, list[list[list[int]]]] = {}
     results: dict[str, Any] = dict(backend=backend, jax=jax.__version__, devices=str(jax.devices()), cases={})
     try:
@@ -590,18 +665,19 @@ def run_check(names: Sequence[str], out: Path, workdir: Path, model: Path | None
             print(f"check {name}: {json.dumps(dict(case['sizes'], **case['kwargs']))}", flush=True)
             try:
                 llm = build_llm(paths[case["model"]], case, case["dtype"])
-                loras = _loras(adapters[case["model"]])
+                loras = _loras(*adapters[name])
                 start_s = time.perf_counter() - t0
                 ref: dict[str, Any] = {}
 
-                def ref_tokens(path: Path = refs[reference_key(case)]) -> list[Any]:
+                def ref_tokens(path: Path = refs[reference_key(case)],
+                               proc: subprocess.Popen = procs[reference_key(case)]) -> list[Any]:
                     ref.update(wait_for(path, proc))
                     return [g["tokens"] for g in ref["greedy"]]
 
                 got = run_case(llm, phases[name], loras, ref_tokens)
                 verdict = compare(ref, got, target_for(case))
                 greedy_of[name] = [g["tokens"] for g in got["greedy"]]
-                if case["model"] == "smollm2":
+                if case["model"] == "smollm2" and not case.get("features"):
                     tokens = run_peft_batch(llm, loras)
                     verdict["cpu_engine_batch"] = compare_peft(dict(tokens=ref["peft_tokens"]), tokens)
                     if REFERENCE_FILE.is_file() and case["dtype"] == "float32" and not case.get("quantization"):
@@ -625,8 +701,9 @@ def run_check(names: Sequence[str], out: Path, workdir: Path, model: Path | None
 
             gc.collect()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
     results["same_tokens"] = same_tokens(cases, greedy_of)
     results["w8a8_ops"] = w8a8_ops()
     print(f"check int8 W8A8 ops against the CPU: {json.dumps(results['w8a8_ops'])}", flush=True)
@@ -667,56 +744,104 @@ def summary_line(v: dict[str, Any]) -> str:
     return s
 
 
-def check_engine(llm: Any, path: Path, workdir: Path, quantization: str | None = None) -> dict[str, Any]:
-    """`llm` itself (the engine a benchmark is about to time) against a CPU process running its
-    checkpoint at `path` with the same sizes: `compare` over `coverage_phases` of its config, with
-    as many of the check's adapters as its max_lora_rank takes. The reference is float32 where
-    the model's float32 weights take under 16 GB of the host, else bfloat16, with the engine's KV
-    cache dtype (an int8 cache is held against the CPU's int8 cache)."""
-    import jax
+@dataclasses.dataclass
+class EngineReference:
+    """A CPU reference process started for an engine configuration (`start_engine_reference`)."""
 
-    c, cfg = llm.config, llm.engine.runner.cfg
-    sizes = dict(max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
-                 max_num_batched_tokens=c.max_num_batched_tokens, token_buckets=list(c.token_buckets),
-                 decode_row_buckets=list(c.decode_row_buckets), max_loras=c.max_loras, max_lora_rank=c.max_lora_rank)
+    digest: str
+    out: Path
+    proc: subprocess.Popen
+    adapters: list[str]
+    phases: list[Phase]
+    dtype: str
+
+
+def _adapter_rank(path: str) -> int:
+    conf = json.loads((Path(path) / "adapter_config.json").read_text())
+    return max([conf["r"], *conf.get("rank_pattern", {}).values()])
+
+
+def _engine_item(config: Any, model_cfg: Any, path: Path, workdir: Path,
+                 quantization: str | None) -> tuple[dict[str, Any], str]:
+    """The reference spec item of an engine of `config` and its digest (what names its file)."""
+    c, cfg = config, model_cfg
     params = cfg.num_hidden_layers * (cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
                                       * cfg.head_dim + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
                                       + 3 * cfg.hidden_size * cfg.intermediate_size) + 2 * cfg.vocab_size * cfg.hidden_size
     ref_dtype = "float32" if params * 4 < 16e9 else "bfloat16"
-    case = dict(name="engine", model="engine", sizes=sizes, quantization=quantization, dtype=ref_dtype, kwargs={},
-                kv_cache_dtype=c.kv_cache_dtype)
     adapters = [str(p) for p in write_check_adapters(cfg, workdir / "adapters")]
-    ranks = [max([json.loads((Path(a) / "adapter_config.json").read_text())["r"]]
-                 + list(json.loads((Path(a) / "adapter_config.json").read_text()).get("rank_pattern", {}).values()))
-             for a in adapters]
-    adapters = [a for a, r in zip(adapters, ranks) if r <= c.max_lora_rank]
+    adapters = [a for a in adapters if _adapter_rank(a) <= c.max_lora_rank]
+    sizes = dict(max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
+                 max_num_batched_tokens=c.max_num_batched_tokens, token_buckets=list(c.token_buckets),
+                 decode_row_buckets=list(c.decode_row_buckets), max_loras=max(1, len(adapters)),
+                 max_lora_rank=max([_adapter_rank(a) for a in adapters], default=c.max_lora_rank))
+    case = dict(name="engine", model="engine", sizes=sizes, quantization=quantization, dtype=ref_dtype, kwargs={},
+                kv_cache_dtype=c.kv_cache_dtype)  # an int8 KV cache is held against the CPU's int8 cache
     phases = coverage_phases(c, cfg.vocab_size, n_adapters=len(adapters))
     item = dict(key="engine", case=case, path=str(path), adapters=adapters, phases=[p.to_json() for p in phases],
                 peft=False)
-    digest = hashlib.sha256(json.dumps([item, _sources_digest()], sort_keys=True).encode()).hexdigest()[:16]
+    return item, hashlib.sha256(json.dumps([item, _sources_digest()], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def start_engine_reference(config: Any, model_cfg: Any, path: Path, workdir: Path,
+                           quantization: str | None = None) -> EngineReference:
+    """Start the CPU reference for an engine of `config` (an EngineConfig) on the checkpoint at
+    `path`, before that engine exists: a benchmark starts it, then builds and warms its engine
+    while the CPU works (a 1B float32 reference of a 64-row engine takes minutes on a chip host).
+    The reference engine takes the config's sizes with as many slots as the check has adapters:
+    the slot count changes when adapters load, not what a row computes, so engines that differ
+    only in slots share a reference. Float32 where the model's float32 weights take under 16 GB
+    of the host, else bfloat16. A reference file of the same digest (an earlier run's, of the
+    same code) is used as it is: the process finds it and exits."""
+    item, digest = _engine_item(config, model_cfg, path, workdir, quantization)
     out = workdir / f"reference-{digest}.json"
     proc = start_reference(dict(references=[dict(item, out=str(out))]), workdir)
+    return EngineReference(digest, out, proc, list(item["adapters"]), [Phase.from_json(p) for p in item["phases"]],
+                           item["case"]["dtype"])
+
+
+def check_engine(llm: Any, path: Path, workdir: Path, quantization: str | None = None,
+                 reference: EngineReference | None = None) -> dict[str, Any]:
+    """`llm` itself (the engine a benchmark is about to time) against a CPU process running its
+    checkpoint at `path` with the same sizes: `compare` over `coverage_phases` of its config, with
+    as many of the check's adapters as its max_lora_rank takes. `reference`: one started before
+    the engine was built (`start_engine_reference`); used if it was planned from this engine's
+    config, else stopped and started again."""
+    import jax
+
+    planned = start_engine_reference(llm.config, llm.engine.runner.cfg, path, workdir, quantization) \
+        if reference is None else reference
+    replanned = False
+    if reference is not None:
+        again = _engine_item(llm.config, llm.engine.runner.cfg, path, workdir, quantization)[1]
+        if again != reference.digest:
+            print(f"check: the engine's config differs from the one its reference was started for "
+                  f"({reference.digest} vs {again}); starting it again", flush=True)
+            reference.proc.kill()
+            replanned = True
+            planned = start_engine_reference(llm.config, llm.engine.runner.cfg, path, workdir, quantization)
     t0 = time.perf_counter()
-    loras = _loras(adapters)
+    loras = _loras(planned.adapters)
     try:
         ref: dict[str, Any] = {}
 
         def ref_tokens() -> list[Any]:
-            ref.update(wait_for(out, proc))
+            ref.update(wait_for(planned.out, planned.proc))
             return [g["tokens"] for g in ref["greedy"]]
 
-        got = run_case(llm, phases, loras, ref_tokens)
+        got = run_case(llm, planned.phases, loras, ref_tokens)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    for lora in loras:  # the engine goes on to be timed without them
-        llm.engine.adapters.unload(lora.lora_name)
+        if planned.proc.poll() is None:
+            planned.proc.kill()
+    _unload(llm, loras)
     llm.reset_prefix_cache()
     dtype = "float32" if jax.numpy.dtype(llm.model.dtype) == jax.numpy.float32 else "bfloat16"
     target = TARGETS["int8" if quantization == "int8" else dtype]
     verdict = compare(ref, got, target)
-    verdict.update(reference_dtype=ref_dtype, kv_cache_dtype=c.kv_cache_dtype, seconds=time.perf_counter() - t0,
-                   reference_seconds=ref.get("seconds_total"), adapters=len(adapters))
+    verdict.update(reference_dtype=planned.dtype, kv_cache_dtype=llm.config.kv_cache_dtype,
+                   seconds=time.perf_counter() - t0,
+                   reference_seconds=ref.get("seconds_total"), adapters=len(planned.adapters),
+                   reference_digest=planned.digest, reference_started_early=reference is not None and not replanned)
     return verdict
 
 

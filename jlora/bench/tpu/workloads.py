@@ -282,6 +282,34 @@ def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_i
                weights_cache=str(weights_cache_dir(args)), progress=False, tuning=tuning_options(args), **extra)
 
 
+def check_workdir(args: argparse.Namespace) -> Path:
+    return Path(args.dir) / f"check-engine-{args.shape}"
+
+
+def quantization_of(args: argparse.Namespace) -> str | None:
+    return None if args.quantization == "none" else args.quantization
+
+
+def start_reference_for(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any]) -> Any:
+    """The chip check's CPU reference (`chip_check.start_engine_reference`) for the engine
+    `make_llm(ckpt, args, sizes)` is about to build, planned from the EngineConfig LLM() derives
+    from the same arguments."""
+    import jax
+
+    from jlora.bench import chip_check
+    from jlora.engine_args import engine_config
+    from jlora.models.loading import read_model_config, resolve_model_path
+
+    config = engine_config(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=sizes["max_num_seqs"],
+                           max_num_batched_tokens=sizes["max_num_batched_tokens"],
+                           token_buckets=sizes["token_buckets"], decode_row_buckets=sizes["decode_row_buckets"],
+                           max_loras=4, max_lora_rank=args.rank, lora_impl=args.lora_impl,
+                           block_size=args.block_size, backend=jax.default_backend(),
+                           kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+    model_cfg = read_model_config(resolve_model_path(str(ckpt)))
+    return chip_check.start_engine_reference(config, model_cfg, ckpt, check_workdir(args), quantization_of(args))
+
+
 def ready_then_all(llm: Any, t0: float) -> dict[str, Any]:
     """Start-up after LLM() returned, ready to serve: one short request's seconds, then the seconds
     since `t0` until a background warm-up has compiled the other graphs (at once for an eager one)."""
@@ -332,6 +360,11 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
           f"{sizes['token_buckets']}, decode row "
           f"buckets {sizes['decode_row_buckets']}" + (f", KV plan {json.dumps(sizes['plan'])}" if sizes["plan"] else ""),
           flush=True)
+    # The check's CPU reference starts now, planned from the config LLM() will build, so it runs
+    # while the chip engine loads and compiles (check_engine starts it again if the plan missed).
+    from jlora.bench import chip_check
+
+    reference = start_reference_for(ckpt, args, sizes)
     t0 = time.perf_counter()
     llm, failed = None, None
     for attempt in range(3):
@@ -352,9 +385,11 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
             sizes["decode_row_buckets"] = tuple(sorted({min(r, sizes["max_num_seqs"]) for r in sizes["decode_row_buckets"]}))
             sizes["num_kv_blocks"] = None
         elif args.attn_impl == "xla":
+            reference.proc.kill()
             raise RuntimeError(f"engine {tag} failed: {failed}")
         t0 = time.perf_counter()
     if llm is None:
+        reference.proc.kill()
         raise RuntimeError(f"engine {tag} failed three times; last: {failed}")
     start_s = time.perf_counter() - t0
     started = ready_then_all(llm, t0)
@@ -404,10 +439,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
 
     # No figure without its tokens checked: this engine against the CPU on the same checkpoint,
     # every step graph it compiled (jlora.bench.chip_check); a failure withholds every timed row.
-    from jlora.bench import chip_check
-
-    eng["check"] = chip_check.check_engine(llm, ckpt, Path(args.dir) / f"check-engine-{args.shape}",
-                                           None if args.quantization == "none" else args.quantization)
+    eng["check"] = chip_check.check_engine(llm, ckpt, check_workdir(args), quantization_of(args), reference)
     print(f"engine {tag}: check against the CPU: {chip_check.summary_line(eng['check'])} "
           f"({eng['check']['seconds']:.0f} s)", flush=True)
     save_results(out, results)
