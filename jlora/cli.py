@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from jlora.bench import BENCHMARKS, run as run_benchmark
-from jlora.engine_args import ATTN_IMPLS, BASE_GRAPHS, DTYPES, ENGINE_DEFAULTS, LORA_IMPLS, QUANTIZATIONS, warmup_flag
+from jlora.engine_args import (ATTN_IMPLS, BASE_GRAPHS, DTYPES, ENGINE_DEFAULTS, KV_CACHE_DTYPES, LORA_IMPLS,
+                               QUANTIZATIONS, warmup_flag)
 
 
 class CLIError(ValueError):
@@ -53,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-impl", default=d["lora_impl"], choices=list(LORA_IMPLS), help="LoRA kernel")
     p.add_argument("--attn-impl", default=d["attn_impl"], choices=list(ATTN_IMPLS),
                    help="paged attention: the Pallas TPU kernel (auto on one TPU device) or the XLA loop")
+    p.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
+                   help="auto: the KV cache in --dtype; int8: int8 keys and values with a float32 scale per position "
+                        "and KV head (about half the bytes of bf16 a token)")
     p.add_argument("--block-size", type=int, default=d["block_size"],
                    help="KV cache positions per block (default: 16; on a TPU a sixteenth of --max-model-len, 16-128)")
     p.add_argument("--base-graphs", default=d["base_graphs"], choices=list(BASE_GRAPHS),
@@ -110,6 +114,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
                   max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
                   attn_impl=getattr(args, "attn_impl", "auto"),
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                   async_scheduling=getattr(args, "async_scheduling", None),
                   block_size=getattr(args, "block_size", None),
                   base_graphs=getattr(args, "base_graphs", None),

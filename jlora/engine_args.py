@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence as Seq
 
-from jlora.engine.config import ATTN_IMPLS, BASE_GRAPHS, EngineConfig  # noqa: F401 (the CLI's choices)
+from jlora.engine.config import ATTN_IMPLS, BASE_GRAPHS, KV_CACHE_DTYPES, EngineConfig  # noqa: F401 (the CLI's choices)
 
 ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 ENGINE_DEFAULTS["block_size"] = None  # auto: `default_block_size` for the backend

@@ -110,6 +110,12 @@ class LLM(Closable):
     says what it chose); a backend without a memory limit (the CPU) keeps max_num_seqs full-length
     sequences. None (the default): num_kv_blocks.
 
+    kv_cache_dtype: "auto" (the default, or None) keeps keys and values in the model's dtype; "int8"
+    stores them as int8 with a float32 scale per position and KV head (`jlora.kernels.kv_quant`),
+    about half a bf16 cache's bytes a token, so kv_cache_memory_fraction fits about twice the
+    sequences (docs/tpu.md, "KV sizing"). Both attention paths read it; outputs move slightly
+    (SmolLM2: teacher-forced top-1 agreement with the float cache in docs/api.md).
+
     tuning: the engine's performance switches (`jlora.tuning.TuningOptions`: how the LoRA
     conditionals and the attention kernel's programs are built, how prefill shapes are chosen);
     the default (or None) is the measured defaults. Outputs do not depend on it.
@@ -160,6 +166,7 @@ class LLM(Closable):
         progress: bool = True,
         tuning: TuningOptions | None = ENGINE_DEFAULTS["tuning"],
         kv_cache_memory_fraction: float | None = ENGINE_DEFAULTS["kv_cache_memory_fraction"],
+        kv_cache_dtype: str | None = ENGINE_DEFAULTS["kv_cache_dtype"],
     ):
         t0 = time.perf_counter()
         backend_started = start_backend()  # the TPU runtime's start overlaps the imports below
@@ -196,7 +203,8 @@ class LLM(Closable):
             decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
             max_overtakes=max_overtakes, max_n=max_n, max_waiting_seqs=max_waiting_seqs,
             num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching, backend=jax.default_backend(),
-            tuning=TuningOptions() if tuning is None else tuning, kv_cache_memory_fraction=kv_cache_memory_fraction)
+            tuning=TuningOptions() if tuning is None else tuning, kv_cache_memory_fraction=kv_cache_memory_fraction,
+            kv_cache_dtype=kv_cache_dtype)
         if kv_cache_memory_fraction is not None and num_kv_blocks is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory_fraction, not both")
         path = resolve_model_path(model)  # a missing model path fails here, before anything is read
@@ -522,7 +530,9 @@ class LLM(Closable):
             "weights": {"bytes": total_w, "dtype": self.dtype, "quantization": self.quantization,
                         "int8_bytes": int8, "float_bytes": total_w - int8,
                         "activations": getattr(self.model, "quant_act", None) or "float"},
-            "kv_cache": {"bytes": total_kv, "dtype": name(kv[0]), "tokens": self.config.kv_capacity_tokens},
+            "kv_cache": {"bytes": total_kv, "dtype": name(kv[0]), "tokens": self.config.kv_capacity_tokens,
+                         "scale_bytes": sum(x.nbytes for r in self.runners for k, x in r.cache.items()
+                                            if k.endswith("_scale"))},
             "lora_slots": {"bytes": total_slots, "dtype": name(slots[0]) if slots else self.dtype,
                            "slots": self.config.max_loras, "max_rank": self.config.max_lora_rank,
                            "slot_ranks": list(self.config.slot_ranks)},
@@ -692,7 +702,8 @@ def format_memory_report(report: dict[str, dict[str, object]]) -> str:
     w, kv, lo = report["weights"], report["kv_cache"], report["lora_slots"]
     rows = [("weights", w["bytes"], f"{w['dtype']}, quantization={w['quantization']}"
              + (f" (int8 {w['int8_bytes'] / 1e6:.1f} MB, activations {w['activations']})" if w["int8_bytes"] else "")),
-            ("kv_cache", kv["bytes"], f"{kv['dtype']}, {kv['tokens']} tokens"),
+            ("kv_cache", kv["bytes"], f"{kv['dtype']}, {kv['tokens']} tokens"
+             + (f", {kv['scale_bytes'] / 1e6:.2f} MB of it scales" if kv.get("scale_bytes") else "")),
             ("lora_slots", lo["bytes"], f"{lo['dtype']}, " + (
                 f"{lo['slots']} slots x rank {lo['max_rank']}" if len(set(lo.get("slot_ranks") or [0])) == 1
                 else f"slots of ranks {lo['slot_ranks']}")),

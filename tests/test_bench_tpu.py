@@ -328,3 +328,16 @@ def test_repeat_summary_pairs_each_round_with_its_own_adapter_free_run():
     assert cli.parse_args(["--repeats", "3"]).repeats == 3 and cli.parse_args([]).repeats == 1
     with pytest.raises(SystemExit):
         cli.parse_args(["--repeats", "0"])
+
+
+def test_kv_cache_dtype_flag_sizes_and_builds_the_engine():
+    """`--kv-cache-dtype int8`: --max-num-seqs auto sizes with int8's bytes a token (more sequences
+    than the bf16 cache in the same memory), and the engine is built with it."""
+    auto = workloads.engine_sizes(cli.parse_args(["--max-num-seqs", "auto", "--max-seqs-cap", "100000"]))
+    args = cli.parse_args(["--max-num-seqs", "auto", "--max-seqs-cap", "100000", "--kv-cache-dtype", "int8"])
+    int8 = workloads.engine_sizes(args)
+    assert int8["plan"]["kv_per_token"] < 0.6 * auto["plan"]["kv_per_token"]
+    assert int8["max_num_seqs"] > 1.7 * auto["max_num_seqs"]
+    assert cli.parse_args([]).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--kv-cache-dtype", "int4"])

@@ -238,3 +238,23 @@ def test_the_peft_reference_file_is_the_cpu_engines_output(real_llm, tmp_path):
     verdict = chip_check.compare_peft(ref, tokens)
     assert verdict["passed"], verdict
     assert len({tuple(t) for t in tokens}) == len(tokens)  # every row its own text
+
+
+def test_the_int8_kv_cases_run_only_when_named():
+    """The int8-KV cases are out of the default run (its length) and in `--only`'s choices; their CPU
+    reference runs the same int8 cache (its own reference key), and SmolLM2's is held to bfloat16's targets."""
+    default = {c["name"] for c in chip_check.default_cases(["smollm2", "tiny"])}
+    optional = {c["name"]: c for c in chip_check.default_cases(["smollm2", "tiny"], optional=True)}
+    assert set(optional) - default == {"smollm2 bfloat16, int8 KV", "tiny float32, int8 KV"}
+    kv = optional["smollm2 bfloat16, int8 KV"]
+    assert kv["kv_cache_dtype"] == "int8" and chip_check.target_for(kv) == chip_check.TARGETS["bfloat16"]
+    assert chip_check.reference_key(kv) != chip_check.reference_key(optional["smollm2 bfloat16"])
+
+
+@pytest.mark.slow  # two tiny engines and a CPU reference process
+def test_chip_check_runs_an_int8_kv_case_against_its_int8_reference(tmp_path):
+    res = chip_check.run_check(["tiny"], tmp_path / "out", tmp_path, only=["tiny float32, int8 KV"])
+    case = res["cases"]["tiny float32, int8 KV"]
+    assert res["passed"], case
+    assert case["kv_cache_dtype"] == "int8" and case["rows_equal"] == case["rows"] > 20
+    assert case["teacher_forced_logprob_max_diff"] < 1e-4 and case["graphs_not_run"] == []

@@ -24,6 +24,19 @@ SCHEDULING_POLICIES = ("adapter_aware", "fcfs")
 # Paged attention: "xla" (kernels/attention.py, every backend), "pallas" (kernels/paged_attention_tpu.py,
 # a TPU kernel; interpreted elsewhere, for tests), "auto" = pallas on a single TPU device, else xla.
 ATTN_IMPLS = ("auto", "xla", "pallas")
+# What the KV cache stores: "auto" = the model's dtype; "int8" = int8 keys and values with a float32
+# scale a position and KV head (jlora.kernels.kv_quant): about half the bytes a token of bf16.
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def check_kv_cache_dtype(value: object) -> str:
+    """`kv_cache_dtype` as stored ("auto" for None); ValueError naming the option otherwise."""
+    if value is None:
+        return "auto"
+    if not isinstance(value, str) or value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (None = 'auto', the model's "
+                         f"dtype), got {value!r}")
+    return value
 
 
 def default_max_cpu_loras(max_loras: int) -> int:
@@ -94,8 +107,11 @@ class EngineConfig:
     # (default max_num_seqs full-length sequences). A backend without a memory limit (XLA:CPU) keeps
     # that default. LLM() does the sizing (jlora.engine.kv_plan.size_kv_cache).
     kv_cache_memory_fraction: float | None = None
+    # KV_CACHE_DTYPES: "auto" (the model's dtype) or "int8" (jlora.kernels.kv_quant).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype))
         f = self.kv_cache_memory_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
             raise ValueError(f"EngineConfig.kv_cache_memory_fraction must be None or in (0, 1], got {f!r}")

@@ -14,6 +14,22 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+SCALE_BYTES, SCALE_SUBLANES = 4, 8  # jlora.kernels.kv_quant's scales: float32, [KVH, bs] pages of 8-row tiles
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, kv_cache_dtype: str = "auto",
+                       lanes: int | None = None) -> int:
+    """Bytes one token's K and V take over every layer: rows of `lanes` (default KVH*Dh) elements of
+    the model dtype, or for kv_cache_dtype="int8" one byte an element plus a float32 scale per KV
+    head counted as a TPU stores them (the [KVH, bs] scale pages pad KVH to 8 rows; exact off the
+    TPU for 8 KV heads, an overcount of at most 7 scales below that)."""
+    row = lanes or kv_heads * head_dim
+    if kv_cache_dtype == "int8":
+        heads = row // head_dim
+        return 2 * layers * (row + -(-heads // SCALE_SUBLANES) * SCALE_SUBLANES * SCALE_BYTES)
+    return 2 * layers * row * dtype_bytes
+
+
 # (in features, sub-modules, out features) of each packed projection (jlora.models.llama).
 def _packed(cfg: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
     d, f = cfg["hidden_size"], cfg["intermediate_size"]
@@ -23,11 +39,11 @@ def _packed(cfg: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
 
 
 def shape_bytes(cfg: dict[str, Any], dtype_bytes: int = 2, quantization: str = "none", max_loras: int = 4,
-                rank: int = 16) -> dict[str, int]:
+                rank: int = 16, kv_cache_dtype: str = "auto") -> dict[str, int]:
     """Device bytes of a shape's weights as jlora stores them (int8 projections and lm head, or the
     tied embedding, with float32 per-channel scales; the rest in the dtype), of the bytes a decode
     step reads of them (all but an untied embedding table), of `max_loras` LoRA slots of `rank` over
-    every packed module, and of one token's K and V."""
+    every packed module, and of one token's K and V (`kv_bytes_per_token`, for `kv_cache_dtype`)."""
     d, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     kvh, dh, v = cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
     q = quantization != "none"
@@ -43,18 +59,18 @@ def shape_bytes(cfg: dict[str, Any], dtype_bytes: int = 2, quantization: str = "
     lora = L * max_loras * sum(i * s * rank + rank * o for i, s, o in packed.values()) * dtype_bytes
     lora += L * max_loras * sum(o for _, _, o in packed.values()) * 4  # the f32 DoRA factors (jlora.adapters.dora)
     return dict(weights=weights, weights_read_per_step=weights - (0 if tied else embed), embedding=embed,
-                lora_slots=lora, kv_per_token=2 * L * kvh * dh * dtype_bytes)
+                lora_slots=lora, kv_per_token=kv_bytes_per_token(L, kvh, dh, dtype_bytes, kv_cache_dtype))
 
 
 def kv_plan(cfg: dict[str, Any], quantization: str, max_model_len: int, block_size: int, max_loras: int, rank: int,
             hbm_bytes: int, in_use: int = 0, headroom: int = 2 * 10**9, cap: int = 64,
-            dtype_bytes: int = 2) -> dict[str, Any]:
+            dtype_bytes: int = 2, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """How many max_model_len sequences the KV cache can hold on a device of `hbm_bytes` (`in_use`
     already taken) after the weights, the LoRA slots and `headroom` for the step's temporaries (a
     prefill step's activations and its prompt-logprob head over the chunk: ~1 GB at the 8B's
     512-token chunk), at most `cap`: {"max_num_seqs", "num_kv_blocks", "kv_bytes", ...} and
     `shape_bytes`'s figures. ValueError when not even one sequence fits."""
-    b = shape_bytes(cfg, dtype_bytes, quantization, max_loras, rank)
+    b = shape_bytes(cfg, dtype_bytes, quantization, max_loras, rank, kv_cache_dtype)
     blocks_per_seq = -(-max_model_len // block_size)
     per_seq = blocks_per_seq * block_size * b["kv_per_token"]
     free = hbm_bytes - in_use - b["weights"] - b["lora_slots"] - headroom
@@ -95,7 +111,8 @@ def fit_kv_blocks(bytes_limit: int, in_use: int, fraction: float, slot_bytes: in
 def size_kv_cache(config: Any, model_cfg: Any, devices: Sequence[Any], kv_dtype: Any) -> tuple[Any, dict[str, Any]]:
     """`config` with `num_kv_blocks` sized to `config.kv_cache_memory_fraction` of the device's memory
     (the weights already on it), and what was chosen; `config` unchanged where the backend reports
-    no memory limit (XLA:CPU: max_num_seqs full-length sequences, as without the option)."""
+    no memory limit (XLA:CPU: max_num_seqs full-length sequences, as without the option). `kv_dtype`:
+    the model's dtype (the LoRA slots'; the cache's unless `config.kv_cache_dtype` is "int8")."""
     import dataclasses
 
     import jax
@@ -115,14 +132,16 @@ def size_kv_cache(config: Any, model_cfg: Any, devices: Sequence[Any], kv_dtype:
         return config, dict(fraction=fraction, sized=False, num_kv_blocks=config.num_kv_blocks,
                             reason="the backend reports no memory limit: max_num_seqs full-length sequences")
     kvh, dh = model_cfg.num_key_value_heads, model_cfg.head_dim
-    lanes = cache_lanes(kvh, dh) if resolve_attn_impl(config.attn_impl, 1, kv_dtype) == "pallas" else kvh * dh
+    cache_dtype = jnp.int8 if config.kv_cache_dtype == "int8" else kv_dtype
+    lanes = cache_lanes(kvh, dh) if resolve_attn_impl(config.attn_impl, 1, cache_dtype) == "pallas" else kvh * dh
     itemsize = jnp.dtype(quant.storage_dtype(kv_dtype)).itemsize
-    block_bytes = 2 * model_cfg.num_hidden_layers * config.block_size * lanes * itemsize  # K and V, every layer
+    block_bytes = config.block_size * kv_bytes_per_token(model_cfg.num_hidden_layers, kvh, dh, itemsize,
+                                                         config.kv_cache_dtype, lanes)  # K and V, every layer
     slots = jax.eval_shape(lambda: init_lora_state(model_cfg, config.max_loras, config.max_lora_rank, kv_dtype))
     slot_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slots))
     blocks = fit_kv_blocks(mem["bytes_limit"], mem.get("bytes_in_use", 0), fraction, slot_bytes, block_bytes,
                            config.blocks_per_seq)
-    plan = dict(fraction=fraction, sized=True, bytes_limit=mem["bytes_limit"], in_use=mem.get("bytes_in_use", 0),
+    plan = dict(fraction=fraction, sized=True, kv_cache_dtype=config.kv_cache_dtype, bytes_limit=mem["bytes_limit"], in_use=mem.get("bytes_in_use", 0),
                 lora_slots=slot_bytes, block_bytes=block_bytes, num_kv_blocks=blocks, kv_bytes=blocks * block_bytes,
                 full_length_sequences=blocks // config.blocks_per_seq)
     return dataclasses.replace(config, num_kv_blocks=blocks), plan

@@ -44,7 +44,8 @@ from jlora.kernels.common import MIX_SLOT
 from jlora.kernels.paged_attention_tpu import cache_lanes, default_chunk
 from jlora.models import quant
 from jlora.models.llama import AttnGroup, Llama, init_cache
-from jlora.models.tensor_parallel import CACHE_SPEC, TensorParallel, fetch, layout_model, weight_spec
+from jlora.models.tensor_parallel import (CACHE_SCALE_SPEC, CACHE_SPEC, TensorParallel, fetch, layout_model,
+                                          weight_spec)
 from jlora.sampling import MAX_LOGPROBS, SamplingRow, empty_sampling_batch, fill_sampling_row, sample
 
 if TYPE_CHECKING:
@@ -261,7 +262,8 @@ class ModelRunner:
         self._weights = [self._place(path, w) for path, w in leaves]
         self._owned = [p is not w for (_, w), p in zip(leaves, self._weights)]  # False: the model's array itself
         self.state = jax.tree.unflatten(self._weights_def, self._weights)
-        self.kv_dtype = model.dtype
+        # What the KV cache holds: the model's dtype, or int8 with scales (EngineConfig.kv_cache_dtype).
+        self.kv_dtype = jnp.int8 if config.kv_cache_dtype == "int8" else model.dtype
         self.attn_impl = resolve_attn_impl(config.attn_impl, self.tp.size, self.kv_dtype)
         kvh, dh = self.layout_cfg.num_key_value_heads, self.layout_cfg.head_dim
         self.cache_lanes = cache_lanes(kvh, dh) if self.attn_impl == "pallas" else kvh * dh  # a cache row
@@ -328,7 +330,8 @@ class ModelRunner:
         over its KV heads."""
         return init_cache(self.layout_cfg, self.config.num_kv_blocks, self.config.block_size,
                           quant.storage_dtype(self.kv_dtype), lanes=self.cache_lanes,
-                          zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC))
+                          zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SPEC),
+                          scale_zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SCALE_SPEC))
 
     @property
     def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out], "M": [L, N, out]}; per pool

@@ -22,7 +22,9 @@ positions in (p - window, p] (Mistral, Qwen2's sliding layers); the kernel then 
 wholly before every query's window.
 
 A cache of dtype uint16 holds bfloat16 bit patterns (how jlora stores bf16 on XLA:CPU, see
-`jlora.models.quant`); both functions widen the blocks they read to float32. Outputs are float32,
+`jlora.models.quant`); both functions widen the blocks they read to float32. An int8 cache comes
+with `k_scale`, `v_scale` f32[L, NB, KVH, bs] (jlora.kernels.kv_quant): the blocks read are
+dequantized as they are gathered, a chunk at a time, never the whole cache. Outputs are float32,
 zeros for a padded query.
 """
 
@@ -35,15 +37,31 @@ import jax
 import jax.numpy as jnp
 
 from jlora.kernels.common import FLOAT_DTYPES
+from jlora.kernels.kv_quant import dequantize_kv
 
-CACHE_DTYPES = FLOAT_DTYPES + (jnp.dtype(jnp.uint16),)  # uint16 = bf16 bits
+CACHE_DTYPES = FLOAT_DTYPES + (jnp.dtype(jnp.uint16), jnp.dtype(jnp.int8))  # uint16 = bf16 bits; int8 + scales
 
 
 def validate_attention_args(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
                             positions: jax.Array, block_tables: jax.Array, chunk: int | None = None,
-                            window: jax.Array | None = None) -> None:
+                            window: jax.Array | None = None, k_scale: jax.Array | None = None,
+                            v_scale: jax.Array | None = None) -> None:
     """Raise ValueError unless q [B, Q, H, Dh], cache_k/cache_v [L, NB, bs, KVH*Dh], layer int scalar,
-    positions int[B, Q], block_tables int[B, MB] (and `chunk` a positive multiple of bs) fit together."""
+    positions int[B, Q], block_tables int[B, MB] (and `chunk` a positive multiple of bs) fit together,
+    and an int8 cache comes with float k_scale/v_scale [L, NB, KVH, bs] (a float cache without)."""
+    int8 = hasattr(cache_k, "dtype") and jnp.dtype(cache_k.dtype) == jnp.int8
+    if int8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError(f"an int8 cache needs k_scale and v_scale, a float cache neither (cache_k "
+                         f"{getattr(cache_k, 'dtype', None)}, k_scale {'given' if k_scale is not None else 'None'}, "
+                         f"v_scale {'given' if v_scale is not None else 'None'})")
+    if int8 and hasattr(q, "shape") and len(getattr(cache_k, "shape", ())) == 4 and q.ndim == 4:
+        L, nb, bs, kd = cache_k.shape
+        want = (L, nb, kd // q.shape[3], bs)
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if getattr(sc, "shape", None) != want or jnp.dtype(sc.dtype) not in FLOAT_DTYPES:
+                raise ValueError(f"{name} must be float [L, NB, KVH, bs] = {list(want)} for cache_k "
+                                 f"{tuple(cache_k.shape)}, got {getattr(sc, 'dtype', None)}"
+                                 f"{tuple(getattr(sc, 'shape', ()))}")
     for name, arr, want in (("q", q, "[B, Q, H, Dh]"), ("cache_k", cache_k, "[L, NB, bs, KVH*Dh]"),
                             ("cache_v", cache_v, "[L, NB, bs, KVH*Dh]"), ("positions", positions, "[B, Q]"),
                             ("block_tables", block_tables, "[B, MB]"), ("layer", layer, "[]")):
@@ -58,7 +76,8 @@ def validate_attention_args(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array
         raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype} (shape {q.shape})")
     for name, arr in (("cache_k", cache_k), ("cache_v", cache_v)):
         if jnp.dtype(arr.dtype) not in CACHE_DTYPES:
-            raise ValueError(f"{name} must be float32, bfloat16, float16 or uint16 (bf16 bits), got {arr.dtype}")
+            raise ValueError(f"{name} must be float32, bfloat16, float16, uint16 (bf16 bits) or int8 (with scales), "
+                             f"got {arr.dtype}")
     if cache_v.shape != cache_k.shape or cache_v.dtype != cache_k.dtype:
         raise ValueError(f"cache_v {cache_v.dtype}{tuple(cache_v.shape)} must match cache_k "
                          f"{cache_k.dtype}{tuple(cache_k.shape)}")
@@ -86,10 +105,14 @@ def validate_attention_args(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array
         raise ValueError(f"chunk must be a positive multiple of the block size {bs}, got {chunk!r}")
 
 
-def _widen(x: jax.Array) -> jax.Array:  # cache blocks -> f32 (uint16 holds bf16 bits)
+def _widen(x: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """Cache blocks [..., bs, KVH*Dh] -> f32 (uint16 holds bf16 bits; int8 times its blocks' scales
+    [..., KVH, bs])."""
     if x.dtype == jnp.uint16:
         x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
-    return x.astype(jnp.float32)
+    if scale is None:
+        return x.astype(jnp.float32)
+    return dequantize_kv(x, jnp.swapaxes(scale, -1, -2))
 
 
 def _grouped_queries(q: jax.Array, kvh: int) -> jax.Array:  # [B, Q, H, Dh] -> f32[B, Q, KVH, G, Dh], scaled
@@ -113,6 +136,8 @@ def paged_attention(
     window: jax.Array | None = None,  # i32 scalar sliding window; None = full causal
     *,
     chunk: int,  # key positions per loop iteration, a multiple of bs
+    k_scale: jax.Array | None = None,  # f32[L, NB, KVH, bs]: an int8 cache's scales
+    v_scale: jax.Array | None = None,  # f32[L, NB, KVH, bs]
 ) -> jax.Array:  # f32[B, Q, H, Dh]
     """Causal grouped-query attention over each sequence's cached keys, `chunk` positions at a time.
 
@@ -120,7 +145,7 @@ def paged_attention(
     graph serves every span) with an online softmax; a fully padded row returns zeros. With a
     window it starts at the first chunk any query can see.
     """
-    validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window)
+    validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window, k_scale, v_scale)
     bsz, nq, h, dh = q.shape
     bs, kvh = cache_k.shape[2], cache_k.shape[3] // dh
     per_chunk = chunk // bs
@@ -135,8 +160,10 @@ def paged_attention(
         m, l, acc = carry  # running max, denominator [B, KVH, G, Q]; numerator [B, KVH, G, Q, Dh]
         cols = jnp.minimum(j * per_chunk + jnp.arange(per_chunk), block_tables.shape[1] - 1)
         blocks = block_tables[:, cols]  # [B, per_chunk]
-        keys = _widen(cache_k[layer, blocks]).reshape(bsz, chunk, kvh, dh)
-        values = _widen(cache_v[layer, blocks]).reshape(bsz, chunk, kvh, dh)
+        ks = None if k_scale is None else k_scale[layer, blocks]  # [B, per_chunk, KVH, bs]
+        vs = None if v_scale is None else v_scale[layer, blocks]
+        keys = _widen(cache_k[layer, blocks], ks).reshape(bsz, chunk, kvh, dh)
+        values = _widen(cache_v[layer, blocks], vs).reshape(bsz, chunk, kvh, dh)
         s = jnp.einsum("bqkgd,bckd->bkgqc", qg, keys, preferred_element_type=jnp.float32)
         key_pos = j * chunk + jnp.arange(chunk)
         visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, Q, C]
@@ -167,14 +194,20 @@ def paged_attention_reference(
     positions: jax.Array,  # i32[B, Q], -1 = padding
     block_tables: jax.Array,  # i32[B, MB]
     window: jax.Array | None = None,  # i32 scalar sliding window; None = full causal
+    k_scale: jax.Array | None = None,  # f32[L, NB, KVH, bs]: an int8 cache's scales
+    v_scale: jax.Array | None = None,  # f32[L, NB, KVH, bs]
 ) -> jax.Array:  # f32[B, Q, H, Dh]
-    """`paged_attention` the obvious way: gather all MB blocks of each sequence, mask, softmax."""
-    validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, window=window)
+    """`paged_attention` the obvious way: gather all MB blocks of each sequence (dequantized, for an
+    int8 cache), mask, softmax."""
+    validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, window=window,
+                            k_scale=k_scale, v_scale=v_scale)
     bsz, nq, h, dh = q.shape
     bs, kvh = cache_k.shape[2], cache_k.shape[3] // dh
     span = block_tables.shape[1] * bs
-    keys = _widen(cache_k[layer][block_tables]).reshape(bsz, span, kvh, dh)  # [B, S, KVH, Dh]
-    values = _widen(cache_v[layer][block_tables]).reshape(bsz, span, kvh, dh)
+    ks = None if k_scale is None else k_scale[layer][block_tables]  # [B, MB, KVH, bs]
+    vs = None if v_scale is None else v_scale[layer][block_tables]
+    keys = _widen(cache_k[layer][block_tables], ks).reshape(bsz, span, kvh, dh)  # [B, S, KVH, Dh]
+    values = _widen(cache_v[layer][block_tables], vs).reshape(bsz, span, kvh, dh)
     s = jnp.einsum("bqkgd,bskd->bkgqs", _grouped_queries(q, kvh), keys)
     key_pos = jnp.arange(span)[None, None, :]
     visible = key_pos <= positions[:, :, None]  # [B, Q, S]; a padded row sees nothing

@@ -47,6 +47,12 @@ grid's per-program cost (its q and output blocks' copies, the pipeline's steps) 
 several short sequences. At short contexts a program per sequence costs ~1.1-2.3 us (64 x 160-256
 positions, v5e, 2026-12-06) against ~0.3-0.6 us of DMA.
 
+An int8 cache (`jlora.kernels.kv_quant`) comes with f32 scales [L, NB, KVH, bs]: each page's
+[KVH, bs] scales are DMA'd beside its K and V pages (own semaphores), the int8 rows are converted
+to q's dtype in VMEM, and the scales applied where they cost least: each score row times its
+head's key scales ([rows, size], a select of [1, size] rows per head of the tile), each weight
+row times its head's value scales before `p @ v`. Never a dequantized copy of the cache in HBM.
+
 `paged_attention_tpu(..., interpret=True)` runs on the CPU (tests/test_attention_tpu.py holds it
 against the reference); `jax.export` lowers it for platforms=["tpu"] without the chip.
 """
@@ -159,11 +165,20 @@ def query_block(nq: int, rows_per_query: int, sublanes: int, chunk: int = 0, kd:
 
 def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, window), [B*MB], [B*NQB] x3
             qpos_ref, q_ref, k_hbm, v_hbm,  # [(S,) rows, 1] i32, [(S,) NT, rows, LT], cache [L, NB, bs, KD] x2 in HBM
-            o_ref,  # [(S,) NT, rows, LT], f32 or q's dtype
-            kbuf, vbuf, sems, m_ref, l_ref, acc_ref,  # VMEM [2, P, bs, KD] x2, DMA sems [2, 2], [NT, rows, 1] x2, [NT, rows, LT]
-            state_ref,  # SMEM i32[2]: the buffer slot of this program's first chunk, whether it is already in flight
-            *, pages: int, sub: int, sizes: tuple[int, ...], seqs: int, blocks_per_seq: int, n_qblocks: int,
-            n_programs: int, lane_tile: int, n_tiles: int, regions: bool):
+            *refs,  # int8: scales [L, NB, KVH, bs] x2 in HBM; then the output and the scratch below
+            # o_ref [(S,) NT, rows, LT], f32 or q's dtype;
+            # kbuf, vbuf VMEM [2, P, bs, KD] (int8: + ksbuf, vsbuf [2, P, KVH, bs]), DMA sems [2 or 4, 2],
+            # m_ref, l_ref [NT, rows, 1], acc_ref [NT, rows, LT];
+            # state_ref SMEM i32[2]: the buffer slot of this program's first chunk, whether it is already in flight
+            pages: int, sub: int, sizes: tuple[int, ...], seqs: int, blocks_per_seq: int, n_qblocks: int,
+            n_programs: int, lane_tile: int, n_tiles: int, regions: bool, quantized: bool = False,
+            heads_per_tile: int = 1, groups: int = 1):
+    if quantized:
+        ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sems, m_ref, l_ref, acc_ref, state_ref = refs
+        pairs = ((k_hbm, kbuf), (v_hbm, vbuf), (ks_hbm, ksbuf), (vs_hbm, vsbuf))
+    else:
+        o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref, state_ref = refs
+        pairs = ((k_hbm, kbuf), (v_hbm, vbuf))
     layer, window = meta_ref[0], meta_ref[1]
 
     def region(name: str):
@@ -181,7 +196,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
 
         def one(p):
             page = tables_ref[row + first + p]
-            for kind, (src, dst) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf))):
+            for kind, (src, dst) in enumerate(pairs):
                 action(pltpu.make_async_copy(src.at[layer, page], dst.at[slot, p], sems.at[kind, slot]))
 
         if pages <= UNROLL_PAGES:  # straight-line scalar code: no loop counter on the scalar core
@@ -201,7 +216,7 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
 
             @pl.when(full)
             def _whole():
-                for kind, (src, dst) in enumerate(((k_hbm, kbuf), (v_hbm, vbuf))):
+                for kind, (src, dst) in enumerate(pairs):
                     pltpu.make_async_copy(src.at[layer, pl.ds(0, pages)], dst.at[slot], sems.at[kind, slot]).wait()
 
             @pl.when(jnp.logical_not(full))
@@ -224,14 +239,29 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
                     return buf[slot, pl.ds(j0 // bs, size // bs), :, lanes].reshape(size, lane_tile)
                 return buf[slot, j0 // bs, pl.ds(j0 % bs, size), lanes]
 
+            def scales_of(buf, t):  # [rows, size]: each query row's own KV head's scales, from [2, P, KVH, bs]
+                def head_row(hd):  # [1, size]: head hd's scales over this block's positions
+                    if size >= bs:
+                        return jnp.concatenate([buf[slot, j0 // bs + p, pl.ds(hd, 1), :] for p in range(size // bs)],
+                                               axis=1)
+                    return buf[slot, j0 // bs, pl.ds(hd, 1), pl.ds(j0 % bs, size)]
+                rows = q_view.shape[-2]
+                row_head = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), groups) % heads_per_tile
+                return reduce(lambda acc, j: jnp.where(row_head == j, head_row(t * heads_per_tile + j), acc),
+                              range(1, heads_per_tile), jnp.broadcast_to(head_row(t * heads_per_tile), (rows, size)))
+
             for t in range(n_tiles):
                 lanes = slice(t * lane_tile, (t + 1) * lane_tile)
                 k = rows_of(kbuf, lanes)
                 v = rows_of(vbuf, lanes)
+                if quantized:  # int8 -> q's dtype in VMEM; the scales multiply the scores and the weights
+                    k, v = k.astype(q_view.dtype), v.astype(q_view.dtype)
                 if copied is not None:
                     v = jnp.where(copied, v, 0)
                 with region("scores"):
                     s = jax.lax.dot_general(q_view[t], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    if quantized:
+                        s = s * scales_of(ksbuf, t)  # pages not copied: anything, dropped by the mask below
                 with region("softmax"):
                     s = jnp.where(visible, s, -jnp.inf)
                     m_prev = m_ref[t]
@@ -241,6 +271,12 @@ def _kernel(meta_ref, tables_ref, lo_ref, hi_ref, npages_ref,  # SMEM: (layer, w
                     alpha = jnp.exp(m_prev - m_safe)
                     l_ref[t] = alpha * l_ref[t] + p.sum(axis=1, keepdims=True)
                 with region("values"):
+                    if quantized:
+                        vs = scales_of(vsbuf, t)
+                        if copied is not None:  # a weight of 0 times a stale NaN scale would be NaN
+                            lane_copied = (key0 + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)) < npg * bs
+                            vs = jnp.where(lane_copied, vs, 0.0)
+                        p = p * vs
                     acc_ref[t] = alpha * acc_ref[t] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
                     m_ref[t] = m_new
 
@@ -342,6 +378,8 @@ def paged_attention_tpu(
     interpret: bool | pltpu.InterpretParams | None = None,  # None: interpret unless running on a TPU
     kv_heads: int | None = None,  # the model's KV heads where the cache row is padded (`cache_lanes`)
     options: AttentionOptions = DEFAULT_OPTIONS,  # how the work is split (jlora.tuning); static
+    k_scale: jax.Array | None = None,  # f32[L, NB, KVH, bs]: an int8 cache's scales (jlora.kernels.kv_quant)
+    v_scale: jax.Array | None = None,  # f32[L, NB, KVH, bs]
 ) -> jax.Array:  # [B, Q, H, Dh] in q's dtype, zeros for a padded query
     h_out = q.shape[2]
     if kv_heads is not None and kv_heads * q.shape[3] != cache_k.shape[-1]:
@@ -352,7 +390,7 @@ def paged_attention_tpu(
             raise ValueError(f"kv_heads={kv_heads} of {dh} lanes does not fit a cache row of {kd} lanes "
                              f"with q's {h_out} heads")
         q = jnp.pad(q, ((0, 0), (0, 0), (0, (kd // dh - kv_heads) * (h_out // kv_heads)), (0, 0)))
-    validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window)
+    validate_attention_args(q, cache_k, cache_v, layer, positions, block_tables, chunk, window, k_scale, v_scale)
     if cache_k.dtype == jnp.uint16:
         raise ValueError("paged_attention_tpu reads real float caches; uint16 (bf16 bits) is XLA:CPU's storage, "
                          "use attention.paged_attention there")
@@ -365,11 +403,13 @@ def paged_attention_tpu(
     lt, hpt = lane_tiles(kvh, dh)
     nt = kd // lt
     rq = hpt * g  # rows per query in a tile: its heads in the tile x the query heads of each
-    cdt = cache_k.dtype
+    quantized = cache_k.dtype == jnp.int8
+    cdt = q.dtype if quantized else cache_k.dtype  # what the MXU multiplies (int8 converted in VMEM)
     if not isinstance(options, AttentionOptions):
         raise ValueError(f"options must be a jlora.tuning.AttentionOptions, got {type(options).__name__}")
     vmem_limit = options.vmem_limit
     budget = VMEM_BUDGET if vmem_limit is None else VMEM_BUDGET * vmem_limit // DEFAULT_SCOPED_VMEM
+    # (int8 pages take half of bf16's VMEM; counted at the compute dtype's size: room for the converted tiles)
     qb = query_block(nq, rq, 16 if jnp.dtype(cdt).itemsize == 2 else 8, chunk, kd, jnp.dtype(cdt).itemsize, budget,
                      options.max_block_rows)
     nqb, rows = nq // qb, qb * rq
@@ -407,7 +447,7 @@ def paged_attention_tpu(
     seqs = 1 if nqb > 1 else max(d for d in range(1, min(options.seqs_per_program, bsz) + 1) if bsz % d == 0)
     kernel = partial(_kernel, pages=pages, sub=sub, sizes=sizes, seqs=seqs, regions=options.trace_regions,
                      blocks_per_seq=mb, n_qblocks=nqb,
-                     n_programs=bsz * nqb, lane_tile=lt, n_tiles=nt)
+                     n_programs=bsz * nqb, lane_tile=lt, n_tiles=nt, quantized=quantized, heads_per_tile=hpt, groups=g)
     lead = None if seqs == 1 else seqs  # a squeezed sequence axis, or S sequences a block
     # Rows are written in q's dtype where they fill its sublane tiles (a prefill block: a bf16
     # step writes and reads back half the bytes of f32, 8 MB a layer at 1,024 tokens), else in f32
@@ -424,11 +464,13 @@ def paged_attention_tpu(
                 pl.BlockSpec((lead, nt, rows, lt), lambda b, i, *_: (b, 0, i, 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
-            ],
+            ] + [pl.BlockSpec(memory_space=pl.ANY)] * (2 if quantized else 0),
             out_specs=pl.BlockSpec((lead, nt, rows, lt), lambda b, i, *_: (b, 0, i, 0)),
             scratch_shapes=[
-                pltpu.VMEM((2, pages, bs, kd), cdt), pltpu.VMEM((2, pages, bs, kd), cdt),
-                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((2, pages, bs, kd), cache_k.dtype), pltpu.VMEM((2, pages, bs, kd), cache_k.dtype),
+            ] + ([pltpu.VMEM((2, pages, kvh, bs), k_scale.dtype), pltpu.VMEM((2, pages, kvh, bs), v_scale.dtype)]
+                 if quantized else []) + [
+                pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)),
                 pltpu.VMEM((nt, rows, 1), jnp.float32), pltpu.VMEM((nt, rows, 1), jnp.float32),
                 pltpu.VMEM((nt, rows, lt), jnp.float32),
                 pltpu.SMEM((2,), jnp.int32),
@@ -439,7 +481,7 @@ def paged_attention_tpu(
         interpret=interpret,
         name="jlora_paged_attention",
     )(meta, block_tables.astype(jnp.int32).reshape(-1), lo.reshape(-1), hi.reshape(-1),
-      npages.reshape(-1), qpos, qt, cache_k, cache_v)
+      npages.reshape(-1), qpos, qt, cache_k, cache_v, *((k_scale, v_scale) if quantized else ()))
 
     # Keep each row's own head's lanes, then back to [B, Q, H, Dh].
     if hpt > 1:

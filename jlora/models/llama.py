@@ -35,6 +35,7 @@ from flax import nnx
 
 from jlora.kernels import MIX_SLOT, lora_delta
 from jlora.kernels.attention import causal_attention, paged_attention
+from jlora.kernels.kv_quant import SCALE_DTYPE, quantize_kv
 from jlora.kernels.paged_attention_tpu import paged_attention_tpu
 from jlora.models import quant
 from jlora.models.config import LORA_MODULES, PACKED_MODULES, LlamaConfig  # LORA_MODULES: PEFT names
@@ -42,7 +43,7 @@ from jlora.models.tensor_parallel import split_packed
 from jlora.tuning import TuningOptions
 FUSED_MODULES = tuple(PACKED_MODULES)  # ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"): the GEMMs
 TRAINABLE_IMPLS = ("gather", "laned", "pallas")  # lora_delta implementations with a gradient
-KVCache = dict  # {"k": [L, num_blocks, block_size, KVH*Dh], "v": same}
+KVCache = dict  # {"k": [L, num_blocks, block_size, KVH*Dh], "v": same}; int8: + "k_scale", "v_scale" [L, NB, KVH, bs]
 LoRAState = dict  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out]}
 
 
@@ -205,19 +206,25 @@ def page_writes(g: AttnGroup, block_size: int, num_blocks: int) -> tuple[jax.Arr
     return blocks.reshape(b * p), new.reshape(b * p, bs, 1), bs - first % bs
 
 
-def write_pages(c: jax.Array, layer: jax.Array, rows: jax.Array, where: tuple[jax.Array, jax.Array, jax.Array]
-                ) -> jax.Array:  # c [L, NB, bs, D], rows [B*Q, D] -> c with the rows written
+def write_pages(c: jax.Array, layer: jax.Array, rows: jax.Array, where: tuple[jax.Array, jax.Array, jax.Array],
+                positions_last: bool = False) -> jax.Array:  # c [L, NB, bs, D], rows [B*Q, D] -> c with the rows written
     """A run group's keys (or values) into layer `layer` of the cache, one window per page: the
-    touched pages are read, the new rows merged in, and the pages written back whole."""
+    touched pages are read, the new rows merged in, and the pages written back whole.
+    `positions_last`: c is [L, NB, D, bs] (an int8 cache's scales, jlora.kernels.kv_quant)."""
     blocks, new, start = where
-    nb, bs, d = c.shape[1:]
+    nb = c.shape[1]
+    bs, d = (c.shape[3], c.shape[2]) if positions_last else c.shape[2:]
     b = start.shape[0]
     p = blocks.shape[0] // b
     rows = rows.reshape(b, -1, d)
     padded = jnp.pad(rows, ((0, 0), (bs, p * bs - rows.shape[1]), (0, 0)))  # [B, bs + P*bs, D]
     fresh = jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, p * bs))(padded, start)
-    old = c[layer, jnp.minimum(blocks, nb - 1)]  # [B*P, bs, D]
-    return c.at[layer, blocks].set(jnp.where(new, fresh.reshape(b * p, bs, d), old), mode="drop")
+    old = c[layer, jnp.minimum(blocks, nb - 1)]  # [B*P, bs, D] ([B*P, D, bs] positions last)
+    if positions_last:
+        merged = jnp.where(jnp.swapaxes(new, 1, 2), jnp.swapaxes(fresh.reshape(b * p, bs, d), 1, 2), old)
+    else:
+        merged = jnp.where(new, fresh.reshape(b * p, bs, d), old)
+    return c.at[layer, blocks].set(merged, mode="drop")
 
 
 class DecoderLayers(nnx.Module):
@@ -304,32 +311,47 @@ class Llama(nnx.Module):
             writes.append((start, start + t, where))
             start += t
 
-        def write(c, i, x):  # x [T, KVH, Dh] -> c with every group's tokens written
-            x = quant.narrow(x.reshape(x.shape[0], -1), c)  # one row of KVH*Dh per token
-            if x.shape[1] < c.shape[-1]:  # the kernel's padded cache rows (cache_lanes): zeros there
-                x = jnp.pad(x, ((0, 0), (0, c.shape[-1] - x.shape[1])))
+        def scatter(c, i, x, positions_last=False):  # x [T, D] -> c with every group's tokens written
             for lo, hi, where in writes:
-                if len(where) == 2:  # (block, offset) of each token
+                if len(where) == 2 and positions_last:  # c [L, NB, D, bs]: [T, D] at (block, :, offset)
+                    c = c.at[i, where[0], :, where[1]].set(x[lo:hi], mode="drop")
+                elif len(where) == 2:  # (block, offset) of each token
                     c = c.at[i, where[0], where[1]].set(x[lo:hi], mode="drop")
                 else:
-                    c = write_pages(c, i, x[lo:hi], where)
+                    c = write_pages(c, i, x[lo:hi], where, positions_last)
             return c
 
+        def write(kv, i, k, v):  # k, v [T, KVH, Dh] -> the cache arrays with every group's tokens written
+            out = []
+            for c, x in zip(kv[:2], (k, v)):
+                if c.shape[-1] > x.shape[1] * dh:  # the kernel's padded cache rows (cache_lanes): zeros there
+                    x = jnp.pad(x, ((0, 0), (0, c.shape[-1] // dh - x.shape[1]), (0, 0)))
+                if c.dtype == jnp.int8:  # int8 rows and one scale a head (jlora.kernels.kv_quant)
+                    rows, scale = quantize_kv(x)
+                    out.append((scatter(c, i, rows), scale))
+                else:
+                    out.append((scatter(c, i, quant.narrow(x.reshape(x.shape[0], -1), c)), None))
+            if len(kv) == 2:
+                return out[0][0], out[1][0]
+            return (out[0][0], out[1][0], scatter(kv[2], i, out[0][1], True), scatter(kv[3], i, out[1][1], True))
+
         def attend(q, k, v, i, win, kv):
-            ck, cv = write(kv[0], i, k), write(kv[1], i, v)
+            kv = write(kv, i, k, v)
+            scales = dict(k_scale=kv[2], v_scale=kv[3]) if len(kv) == 4 else {}
             outs, start = [], 0
             for g in groups:
                 b, nq = g.positions.shape
                 qg = q[start: start + b * nq].reshape(b, nq, h, dh)
-                outs.append(attention(qg, ck, cv, i, g.positions, g.block_tables, win,
-                                            chunk=chunk).reshape(b * nq, h * dh))
+                outs.append(attention(qg, kv[0], kv[1], i, g.positions, g.block_tables, win,
+                                      chunk=chunk, **scales).reshape(b * nq, h * dh))
                 start += b * nq
-            return (jnp.concatenate(outs) if len(outs) > 1 else outs[0]), (ck, cv)
+            return (jnp.concatenate(outs) if len(outs) > 1 else outs[0]), kv
 
+        names = ("k", "v", "k_scale", "v_scale") if "k_scale" in cache else ("k", "v")
         x = quant.embed(quant.weight(self, "embed_tokens"), tokens)
-        x, (ck, cv) = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend,
-                                    quant.to_bits((cache["k"], cache["v"])), lora_skip, tuning, slot_scale, slot_mix)
-        return x, {"k": quant.like(ck, cache["k"]), "v": quant.like(cv, cache["v"])}
+        x, kv = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend,
+                              quant.to_bits(tuple(cache[n] for n in names)), lora_skip, tuning, slot_scale, slot_mix)
+        return x, {n: quant.like(c, cache[n]) for n, c in zip(names, kv)}
 
     def train_logits(
         self,
@@ -477,12 +499,20 @@ def host_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 
 def init_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32,
-               zeros: Any = jnp.zeros, lanes: int | None = None) -> KVCache:
+               zeros: Any = jnp.zeros, lanes: int | None = None, scale_zeros: Any = None) -> KVCache:
     """Zeroed KV cache {"k", "v": [L, NB, bs, KVH*Dh]}; `init_cache(cfg, batch, max_len)` is one
     region (block) per sequence, what a direct model call without block tables reads. `lanes`: a
-    wider row, zeros past KVH*Dh (the TPU kernel's `cache_lanes`)."""
-    shape = (cfg.num_hidden_layers, num_blocks, block_size, lanes or cfg.num_key_value_heads * cfg.head_dim)
-    return {"k": zeros(shape, dtype), "v": zeros(shape, dtype)}
+    wider row, zeros past KVH*Dh (the TPU kernel's `cache_lanes`). `dtype` int8 (or "int8"): int8
+    keys and values plus "k_scale", "v_scale": f32[L, NB, KVH, bs] (jlora.kernels.kv_quant; KVH
+    counts the pad heads of a wider row), made by `scale_zeros` (default `zeros`)."""
+    row = lanes or cfg.num_key_value_heads * cfg.head_dim
+    shape = (cfg.num_hidden_layers, num_blocks, block_size, row)
+    if jnp.dtype(dtype) != jnp.int8:
+        return {"k": zeros(shape, dtype), "v": zeros(shape, dtype)}
+    sshape = (cfg.num_hidden_layers, num_blocks, row // cfg.head_dim, block_size)
+    scale_zeros = scale_zeros or zeros
+    return {"k": zeros(shape, jnp.int8), "v": zeros(shape, jnp.int8),
+            "k_scale": scale_zeros(sshape, SCALE_DTYPE), "v_scale": scale_zeros(sshape, SCALE_DTYPE)}
 
 
 def lora_state_modules(modules: tuple[str, ...] = LORA_MODULES) -> tuple[str, ...]:

@@ -154,6 +154,7 @@ def lora_spec(module: str, kind: str, tp: int, slot_axis: bool = True) -> P:
 
 
 CACHE_SPEC = P(None, None, None, AXIS)  # [L, NB, bs, KVH*Dh]: over the KV heads
+CACHE_SCALE_SPEC = P(None, None, AXIS, None)  # an int8 cache's scales [L, NB, KVH, bs]: over the KV heads
 
 
 # ---- the mesh ----------------------------------------------------------------------------------------

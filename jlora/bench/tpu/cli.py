@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lora-impl", default="auto")
     p.add_argument("--attn-impl", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="engine: LLM(kv_cache_dtype=...); int8 about halves the KV bytes a token (scales beside), and "
+                        "--max-num-seqs auto sizes the cache with int8's bytes (kv_plan)")
     p.add_argument("--lora-slices", default="inside", choices=["inside", "before"],
                    help="engine: where a layer's LoRA slots are sliced, inside the conditional or before it "
                         "(TuningOptions.lora_slices; an experiment)")

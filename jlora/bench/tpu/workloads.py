@@ -214,7 +214,8 @@ def whole_cache_copies(llm: Any) -> dict[str, Any]:
 
     runner = llm.engine.runner
     graphs = runner.compiled_graphs
-    found = {str(shape): find_copies(exe.as_text(), runner.cache["k"].shape) for shape, exe in graphs.items()}
+    shapes = {tuple(x.shape) for x in runner.cache.values()}  # K/V and an int8 cache's scales
+    found = {str(shape): [c for s in shapes for c in find_copies(exe.as_text(), s)] for shape, exe in graphs.items()}
     return dict(cache_shape=list(runner.cache["k"].shape), whole_cache_copies=[c for v in found.values() for c in v],
                 step_graphs_checked=len(found))
 
@@ -243,7 +244,8 @@ def engine_sizes(args: argparse.Namespace) -> dict[str, Any]:
         mem = device_memory()
         plan = kv_plan(SHAPES[args.shape], args.quantization, args.max_model_len, args.block_size, 4, args.rank,
                        mem.get("bytes_limit", HBM_BYTES), mem.get("bytes_in_use", 0),
-                       int(args.kv_headroom_gb * 1e9), cap=args.max_seqs_cap)
+                       int(args.kv_headroom_gb * 1e9), cap=args.max_seqs_cap,
+                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
         n = plan["max_num_seqs"]
     else:
         n = int(args.max_num_seqs)
@@ -271,6 +273,8 @@ def make_llm(ckpt: Path, args: argparse.Namespace, sizes: dict[str, Any], attn_i
         extra["warmup"] = args.warmup
     if args.executable_cache != "auto":
         extra["executable_cache"] = args.executable_cache == "on"
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        extra["kv_cache_dtype"] = args.kv_cache_dtype
     return LLM(str(ckpt), dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
                max_num_seqs=sizes["max_num_seqs"], max_num_batched_tokens=sizes["max_num_batched_tokens"],
                token_buckets=sizes["token_buckets"], decode_row_buckets=sizes["decode_row_buckets"], max_loras=4,
@@ -300,7 +304,8 @@ def start_reference_for(ckpt: Path, args: argparse.Namespace, sizes: dict[str, A
                            max_num_batched_tokens=sizes["max_num_batched_tokens"],
                            token_buckets=sizes["token_buckets"], decode_row_buckets=sizes["decode_row_buckets"],
                            max_loras=4, max_lora_rank=args.rank, lora_impl=args.lora_impl,
-                           block_size=args.block_size, backend=jax.default_backend())
+                           block_size=args.block_size, backend=jax.default_backend(),
+                           kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     model_cfg = read_model_config(resolve_model_path(str(ckpt)))
     return chip_check.start_engine_reference(config, model_cfg, ckpt, check_workdir(args), quantization_of(args))
 
@@ -399,7 +404,9 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
     embed_bytes = sum(int(w.nbytes) for path, w in leaves if "embed_tokens" in jax.tree_util.keystr(path))
     # A decode step reads the whole of every weight but an untied embedding table (only its rows).
     step_weight_bytes = weight_bytes - (0 if cfg.tie_word_embeddings else embed_bytes)
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * runner.cache["k"].dtype.itemsize
+    # What a step reads a token of context: K and V rows (and an int8 cache's float32 scale a KV head).
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
+        cfg.head_dim * runner.cache["k"].dtype.itemsize + (4 if "k_scale" in runner.cache else 0))
     slot_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(runner.lora.state)) // llm.config.max_loras
     report = llm.memory_report()
     eng = dict(shape=args.shape, quantization=args.quantization, activations=report["weights"].get("activations"),
@@ -414,7 +421,7 @@ def bench_engine(ckpt: Path, out: Path, args: argparse.Namespace, results: dict[
                num_kv_blocks=llm.config.num_kv_blocks,
                kv_cache_tokens=llm.config.kv_capacity_tokens, token_buckets=list(llm.config.token_buckets),
                decode_row_buckets=list(llm.config.decode_row_buckets), max_num_batched_tokens=llm.config.max_num_batched_tokens,
-               kv_plan=sizes["plan"], graphs=llm.config.num_step_graphs, weight_bytes=weight_bytes,
+               kv_plan=sizes["plan"], kv_cache_dtype=llm.config.kv_cache_dtype, graphs=llm.config.num_step_graphs, weight_bytes=weight_bytes,
                weight_bytes_per_step=step_weight_bytes, memory_report=report,
                compile_seconds=runner.compile_seconds, device_memory=device_memory(),
                step_memory=step_memory(llm), config=str(llm.config), devices=str(jax.devices()), jax=jax.__version__)
