@@ -651,11 +651,16 @@ def summary_line(v: dict[str, Any]) -> str:
     return s
 
 
-def check_engine(llm: Any, path: Path, workdir: Path, quantization: str | None = None) -> dict[str, Any]:
+def check_engine(llm: Any, path: Path, workdir: Path, quantization: str | None = None,
+                 shared_reference: bool = False) -> dict[str, Any]:
     """`llm` itself (the engine a benchmark is about to time) against a CPU process running its
     checkpoint at `path` with the same sizes: `compare` over `coverage_phases` of its config, with
     as many of the check's adapters as its max_lora_rank takes. The reference is float32 where
-    the model's float32 weights take under 16 GB of the host, else bfloat16."""
+    the model's float32 weights take under 16 GB of the host, else bfloat16.
+
+    `shared_reference`: the reference engine gets as many slots as the check has adapters, not
+    `llm`'s count, so engines that differ only in their slot count share one reference (kept in
+    `workdir`): a slot count decides which slot a row reads, not what it computes."""
     import jax
 
     c, cfg = llm.config, llm.engine.runner.cfg
@@ -672,6 +677,8 @@ def check_engine(llm: Any, path: Path, workdir: Path, quantization: str | None =
                  + list(json.loads((Path(a) / "adapter_config.json").read_text()).get("rank_pattern", {}).values()))
              for a in adapters]
     adapters = [a for a, r in zip(adapters, ranks) if r <= c.max_lora_rank]
+    if shared_reference:
+        sizes["max_loras"] = min(c.max_loras, len(adapters))
     phases = coverage_phases(c, cfg.vocab_size, n_adapters=len(adapters))
     item = dict(key="engine", case=case, path=str(path), adapters=adapters, phases=[p.to_json() for p in phases],
                 peft=False)
