@@ -62,7 +62,7 @@ def test_flags_and_sizes():
     args = cli.parse_args(["--sections", "slora"])
     assert args.slora_slots == (16, 64) and args.slora_adapters == 1024 and args.slora_rows == 64
     s = slora.slora_sizes(args)
-    assert s["max_model_len"] == 512 and s["token_buckets"] == (256,) and s["decode_row_buckets"] == (64,)
+    assert s["max_model_len"] == 512 and s["token_buckets"] == (256, 512) and s["decode_row_buckets"] == (64,)
     for bad in (["--slora-popularity", "zipf"], ["--slora-ranks", "16,8"], ["--slora-slots", "0"]):
         with pytest.raises(SystemExit):
             cli.parse_args(["--sections", "slora", *bad])

@@ -118,8 +118,9 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 
 
 def slora_sizes(args: argparse.Namespace) -> dict[str, Any]:
-    """The engines' sizes: room for the longest prompt and output, one prefill chunk bucket that
-    holds the longest prompt, one decode row bucket (few graphs: a cheaper check)."""
+    """The engines' sizes: room for the longest prompt and output, a prefill chunk bucket that
+    holds the longest prompt (and the one the engine ends its buckets at), one decode row bucket
+    (few graphs: a cheaper check)."""
     from jlora.engine_args import default_block_size
 
     longest = args.slora_prompt_len[1] + args.slora_new_tokens[1]
@@ -127,7 +128,7 @@ def slora_sizes(args: argparse.Namespace) -> dict[str, Any]:
     chunk = 1 << max(0, args.slora_prompt_len[1] - 1).bit_length()
     batched = max(chunk, min(4 * chunk, 1024))
     return dict(max_model_len=max_len, max_num_seqs=args.slora_rows, max_num_batched_tokens=batched,
-                token_buckets=(chunk,), decode_row_buckets=(args.slora_rows,),
+                token_buckets=tuple(sorted({chunk, min(batched, max_len)})), decode_row_buckets=(args.slora_rows,),
                 block_size=default_block_size(max_len, "tpu"))
 
 
