@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def get_llm(n: int) -> Any:
             if n not in llms:
                 llms[n] = LLM(max_model_len=256, max_num_seqs=args.max_num_seqs, max_loras=n, max_lora_rank=RANK,
-                              adapter_cache=root / "cache", progress=False)
+                              adapter_cache=root / "cache", progress=False,
+                              decode_row_buckets=args.decode_row_buckets or None)
             return llms[n]
 
         model_cfg = get_llm(args.slots[0]).model.cfg
@@ -278,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--decode-row-buckets", type=_ints, default=[],
+                   help="LLM(decode_row_buckets=...), ending at --max-num-seqs (default: the engine's)")
     p.add_argument("--load", type=float, default=0.7,
                    help="Poisson rate as a fraction of the K = 1 throughput (0: no TTFT runs)")
     p.add_argument("--write", action="store_true", help="write docs/benchmarks.md's block and docs/bench_adapters.svg")

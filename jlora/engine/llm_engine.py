@@ -425,7 +425,8 @@ class LLMEngine(Closable):
                 plan = self.scheduler.schedule(self._is_live)
             if plan is None:
                 return None
-            self.runner.write_slots(plan.slot_writes)  # before anything of the plan can fail: the slots are assigned
+            with _Phase(self._listeners, "write_slots"):  # before anything of the plan can fail: the slots are assigned
+                self.runner.write_slots(plan.slot_writes)
             try:
                 with _Phase(self._listeners, "build_batch"):
                     return plan, self.runner.build_batch(plan)

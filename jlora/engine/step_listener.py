@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 # The phases of an engine step a listener is told about (`phase`), in the order they run:
-# planning (`Scheduler.schedule`), building the batch's host arrays, launching it (packing,
+# planning (`Scheduler.schedule`), writing the adapters the plan admitted into their device slots
+# (host to device; dispatched, not waited for), building the batch's host arrays, launching it (packing,
 # transfers, dispatch), waiting for the device, reading its outputs back, booking the step in the
 # scheduler, processing the tokens (text, stops, outputs).
-PHASES = ("schedule", "build_batch", "launch", "wait_device", "read_outputs", "commit", "process")
+PHASES = ("schedule", "write_slots", "build_batch", "launch", "wait_device", "read_outputs", "commit", "process")
 
 
 class StepListener:

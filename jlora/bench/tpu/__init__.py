@@ -28,12 +28,17 @@ feeds token-id prompts. Sections (`--sections`, in the order given):
   agree       int8-weight-only and int8 against bf16 at the 1B shape (its own checkpoint):
               teacher-forced top-1 agreement and logit differences on a few token-id prompts
   warm        a second process starting the same engine (persistent compile and weights caches)
+  slora       S-LoRA's experiment (`slora`): `--slora-adapters` distinct random q/v adapters (rank
+              8-16), `--slora-rows` running sequences, one engine per `--slora-slots` count, each
+              checked against the CPU first; the same requests on one adapter and on adapters drawn
+              uniformly and with power-law popularity: tok/s and its ratio, TTFT p50/p99, slot
+              writes, each adapter's host-to-device load (p50/p99), compiles after warm-up
   runtime     the TPU runtime's start in fresh processes for each `--premapped-sizes` value of
               TPU_PREMAPPED_BUFFER_SIZE, with a 512 MB transfer each way; LLM()'s imports alone and
               beside the runtime's start (`jlora.llm.start_backend`)
 
 Where each part lives: `shapes` (the shapes, their checkpoints and adapters; the memory arithmetic
-is `jlora.engine.kv_plan`), `micro` (kernel, qmatmul, layers), `workloads` (engine), `startup`
+is `jlora.engine.kv_plan`), `micro` (kernel, qmatmul, layers), `workloads` (engine), `slora` (slora), `startup`
 (load, runtime, warm), `agree` (check, agree), `common` (the chip's peaks, results, processes) and
 `cli` (flags and the run).
 

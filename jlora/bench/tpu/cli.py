@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jlora.bench.tpu import agree, micro, startup
+from jlora.bench.tpu import agree, micro, slora, startup
 from jlora.bench.tpu.agree import agree_checkpoint
 from jlora.bench.tpu.common import load_results, machine, run_child, run_tag, save_results
 from jlora.bench.tpu.micro import KERNEL_VARIANT_CASES, parse_kernel_cases, parse_kernel_variants
@@ -20,7 +20,8 @@ from jlora.bench.tpu.workloads import bench_engine
 from jlora.engine_args import default_block_size
 
 
-SECTIONS = ("checkpoint", "check", "load", "runtime", "kernel", "qmatmul", "layers", "engine", "agree", "warm")
+SECTIONS = ("checkpoint", "check", "load", "runtime", "kernel", "qmatmul", "layers", "engine", "agree", "warm",
+            "slora")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -130,6 +131,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="engine profile: each traced sequence's prompt length (32: short contexts)")
     p.add_argument("--profile-adapters", type=int, default=4, choices=range(0, 5),
                    help="engine profile: adapters round robin over its sequences (0: the base model)")
+    p.add_argument("--slora-adapters", type=int, default=1024, help="slora: distinct random PEFT adapters (q/v)")
+    p.add_argument("--slora-slots", type=_int_list, default=(16, 64),
+                   help="slora: adapter slot counts (max_loras), one engine (and check) each")
+    p.add_argument("--slora-rows", type=int, default=64, help="slora: running sequences (max_num_seqs)")
+    p.add_argument("--slora-requests", type=int, default=512, help="slora: requests per row, all queued at once")
+    p.add_argument("--slora-prompt-len", type=_int_pair, default=(32, 256),
+                   help="slora: LO,HI prompt tokens, drawn uniformly per request")
+    p.add_argument("--slora-new-tokens", type=_int_pair, default=(32, 128),
+                   help="slora: LO,HI new tokens, drawn uniformly per request")
+    p.add_argument("--slora-ranks", type=_int_pair, default=(8, 16), help="slora: LO,HI adapter rank (slots: HI)")
+    p.add_argument("--slora-popularity", type=lambda v: tuple(filter(None, v.split(","))),
+                   default=slora.POPULARITIES, help="slora: uniform, power-law or both")
+    p.add_argument("--slora-load-samples", type=int, default=64,
+                   help="slora: adapters whose host-to-device load is timed alone")
+    p.add_argument("--slora-workers", type=int, default=8, help="slora: threads converting adapters into host memory")
+    p.add_argument("--slora-seed", type=int, default=0)
     p.add_argument("--in-process", action="store_true", help="run every section in this process (a CPU dry run; "
                                                              "on a TPU each chip section needs a fresh process)")
     p.add_argument("--load-child", choices=["cold", "warm", "direct"], help=argparse.SUPPRESS)
@@ -144,7 +161,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--sections: unknown {unknown}; choose from {list(SECTIONS)}")
     if args.repeats < 1:
         p.error(f"--repeats: at least 1 round; got {args.repeats}")
+    bad = set(args.slora_popularity) - set(slora.POPULARITIES)
+    if bad:
+        p.error(f"--slora-popularity: unknown {sorted(bad)}; choose from {list(slora.POPULARITIES)}")
+    if args.slora_adapters < 1 or args.slora_rows < 1 or args.slora_requests < 1 or min(args.slora_slots) < 1:
+        p.error("--slora-adapters, --slora-rows, --slora-requests and --slora-slots must be at least 1")
     return args
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _int_pair(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 0 < LO <= HI, got {text!r}")
+    return lo, hi
 
 
 def _argv_without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -166,7 +199,8 @@ def _argv_without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 def plan_processes(sections: list[str]) -> list[list[str]]:
     """The sections in order, cut into processes: checkpoint and load run here (load starts its own);
     kernel, qmatmul, agree and engine next to each other share one fresh process, except that nothing
-    follows the engine in its process (its engine holds the chip's memory); warm always gets its own."""
+    follows the engine in its process (its engine holds the chip's memory); warm and slora always get
+    their own."""
     groups: list[list[str]] = []
     for s in sections:
         last = groups[-1] if groups else None
@@ -219,6 +253,8 @@ def _run_section(args: argparse.Namespace, section: str, out: Path, results: dic
         agree.agree_section(args, out, results)
     elif section == "warm":  # a fresh process: the engine section's sizes, its caches filled
         startup.warm_section(args, ckpt, out, results)
+    elif section == "slora":
+        slora.slora_section(args, ckpt, out, results)
     return results
 
 
@@ -229,8 +265,10 @@ def disk_needed(args: argparse.Namespace, sections: list[str]) -> int:
     need = 10**9
     if not (Path(args.dir) / args.shape / "config.json").is_file():
         need += shape_bytes(SHAPES[args.shape])["weights"]
-    if {"load", "engine", "warm"} & set(sections):
+    if {"load", "engine", "warm", "slora"} & set(sections):
         need += shape_bytes(SHAPES[args.shape], dtype_bytes, args.quantization)["weights"]
+    if "slora" in sections and not (Path(args.dir) / f"slora-adapters-{args.shape}" / "written.json").is_file():
+        need += args.slora_adapters * slora.adapter_bytes(SHAPES[args.shape], args.slora_ranks[1])
     if "agree" in sections and not (agree_checkpoint(args) / "config.json").is_file():
         need += shape_bytes(SHAPES[args.agree_shape])["weights"]
     return need
