@@ -118,7 +118,8 @@ def size_kv_cache(config: Any, model_cfg: Any, devices: Sequence[Any], kv_dtype:
     lanes = cache_lanes(kvh, dh) if resolve_attn_impl(config.attn_impl, 1, kv_dtype) == "pallas" else kvh * dh
     itemsize = jnp.dtype(quant.storage_dtype(kv_dtype)).itemsize
     block_bytes = 2 * model_cfg.num_hidden_layers * config.block_size * lanes * itemsize  # K and V, every layer
-    slots = jax.eval_shape(lambda: init_lora_state(model_cfg, config.max_loras, config.max_lora_rank, kv_dtype))
+    slots = jax.eval_shape(lambda: init_lora_state(model_cfg, config.max_loras, config.max_lora_rank, kv_dtype,
+                                                   modules=config.lora_modules))
     slot_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slots))
     blocks = fit_kv_blocks(mem["bytes_limit"], mem.get("bytes_in_use", 0), fraction, slot_bytes, block_bytes,
                            config.blocks_per_seq)
