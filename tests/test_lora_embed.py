@@ -38,6 +38,7 @@ ADAPTERS = {
 # A tied model only: peft ties the head's adapter to the embedding's (lora_A = lora_embedding_B^T, ...).
 TIED_ADAPTERS = {"tied": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "gate_proj"],
                               ensure_weight_tying=True)}
+IDS = {"embed": 1, "head": 2, "both": 3, "plain": 4, "tied": 5}  # one lora_int_id per name in a shared engine
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_loras=2, max_lora_rank=MAX_RANK,
               token_buckets=(16, 32))
 STD = {"lora_embedding_A": 1.0, "lora_embedding_B": 0.05, "lm_head.lora_A": 0.1, "lm_head.lora_B": 0.3}
@@ -87,6 +88,14 @@ def untied(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory):
     return _make(tmp_path_factory, tied=True)
+
+
+@pytest.fixture(scope="module")
+def llm(untied):
+    """An engine with embedding LoRA slots on the untied model: 3 slots for 4 adapters (churn)."""
+    engine = LLM(str(untied[0]), progress=False, enable_embedding_lora=True, **{**ENGINE, "max_loras": 3})
+    yield engine
+    engine.close()
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,11 +230,14 @@ def test_peft_mixed_batch_adapter_names(untied):
 # ---- the engine ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("which,slot_ranks", [("untied", None), ("tied", (4, 8))])  # (4, 8): two slot pools
-def test_engine_greedy_matches_peft_with_churn_and_no_recompiles(which, slot_ranks, request):
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_engine_greedy_matches_peft_with_churn_and_no_recompiles(which, request):
     base, paths = request.getfixturevalue(which)
-    llm = LLM(str(base), progress=False, enable_embedding_lora=True, lora_slot_ranks=slot_ranks, **ENGINE)
-    reqs = {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(paths.items())}
+    if which == "untied":
+        llm = request.getfixturevalue("llm")
+    else:  # two slot pools (ranks 4 and 8): the deltas read each pool's own slots
+        llm = LLM(str(base), progress=False, enable_embedding_lora=True, lora_slot_ranks=(4, 8), **ENGINE)
+    reqs = {n: LoRARequest(n, IDS[n], str(p)) for n, p in paths.items()}
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = ["Hello there", "Once upon a time", "1 2 3 4", "The cat"]
     names = list(paths)
@@ -239,10 +251,11 @@ def test_engine_greedy_matches_peft_with_churn_and_no_recompiles(which, slot_ran
             assert o.outputs[0].token_ids == _peft_greedy(base, paths, n, list(o.prompt_token_ids), 8), n
     assert compile_stats.compile_count() == before
     assert llm.engine.adapters.stats["evictions"] > 0
-    llm.close()
+    if which == "tied":
+        llm.close()
 
 
-def test_scaled_and_combined_rows_match_peft_cat(untied):
+def test_scaled_and_combined_rows_match_peft_cat(untied, llm):
     """Per-request scale and LoRARequest.combine scale / mix the embedding and head deltas as peft's
     add_weighted_adapter(..., combination_type="cat") does."""
     base, paths = untied
@@ -253,11 +266,10 @@ def test_scaled_and_combined_rows_match_peft_cat(untied):
     pm.add_weighted_adapter(["both"], [0.5], adapter_name="both_half", combination_type="cat")
     pm.add_weighted_adapter(["embed", "head"], [0.7, -0.5], adapter_name="mix", combination_type="cat")
     pm.eval()
-    reqs = {n: LoRARequest(n, i + 1, str(paths[n])) for i, n in enumerate(("both", "embed", "head"))}
-    rows = [(LoRARequest("both", 1, str(paths["both"]), scale=0.5), "both_half"),
+    reqs = {n: LoRARequest(n, IDS[n], str(paths[n])) for n in ("both", "embed", "head")}
+    rows = [(LoRARequest("both", IDS["both"], str(paths["both"]), scale=0.5), "both_half"),
             (LoRARequest.combine(reqs["embed"], reqs["head"], weights=(0.7, -0.5)), "mix"),
             (None, None), (reqs["both"], "both")]
-    llm = LLM(str(base), progress=False, enable_embedding_lora=True, **{**ENGINE, "max_loras": 3})
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = ["Hello there", "Once upon a time", "1 2 3 4", "The cat"]
     outs = llm.generate(prompts, greedy, [r for r, _ in rows])
@@ -273,25 +285,22 @@ def test_scaled_and_combined_rows_match_peft_cat(untied):
                 want = pm.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6,
                                    do_sample=False, pad_token_id=0)
         assert o.outputs[0].token_ids == want[0, len(ids):].tolist(), name
-    llm.close()
 
 
-def test_prompt_logprobs_read_the_head_adapter(untied):
+def test_prompt_logprobs_read_the_head_adapter(untied, llm):
     base, paths = untied
-    llm = LLM(str(base), progress=False, enable_embedding_lora=True, **ENGINE)
     ids = [1, 523, 1722, 314, 253, 1148, 30]
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       LoRARequest("head", 2, str(paths["head"])))[0]
+                       LoRARequest("head", IDS["head"], str(paths["head"])))[0]
     want = torch.log_softmax(torch.from_numpy(_peft_logits(base, paths, "head", np.asarray(ids))).double(), -1)
     got = [lp[t] for t, lp in zip(ids[1:], out.prompt_logprobs[1:])]
     np.testing.assert_allclose(got, [float(want[i, t]) for i, t in enumerate(ids[1:])], atol=2e-4)
-    llm.close()
 
 
 # ---- refusals ---------------------------------------------------------------------------------------
 
 
-def test_bad_input_is_refused_and_the_engine_keeps_serving(untied, tmp_path):
+def test_bad_input_is_refused_and_the_engine_keeps_serving(untied, llm, tmp_path):
     from safetensors.numpy import load_file, save_file
 
     base, paths = untied
@@ -330,14 +339,14 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(untied, tmp_path):
 
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     # An engine without the option names it, and serves on.
-    plain_llm = LLM(str(base), progress=False, **ENGINE)
-    want = plain_llm.generate(["Hello"], greedy, LoRARequest("plain", 4, str(paths["plain"])))[0].outputs[0].token_ids
+    plain_llm = LLM(str(base), progress=False, warmup="lazy", **ENGINE)
+    plain = LoRARequest("plain", IDS["plain"], str(paths["plain"]))
+    want = plain_llm.generate(["Hello"], greedy, plain)[0].outputs[0].token_ids
     for n in ("embed", "head"):
         with pytest.raises(ValueError, match=r"\['%s'\].*enable_embedding_lora=True" % ("embed_tokens" if n == "embed"
                                                                                          else "lm_head")):
-            plain_llm.generate(["Hello"], greedy, LoRARequest(n, 9, str(paths[n])))
-    assert plain_llm.generate(["Hello"], greedy, LoRARequest("plain", 4, str(paths["plain"])))[0].outputs[0].token_ids \
-        == want
+            plain_llm.generate(["Hello"], greedy, LoRARequest(n, IDS[n], str(paths[n])))
+    assert plain_llm.generate(["Hello"], greedy, plain)[0].outputs[0].token_ids == want
     plain_llm.close()
     # Tensor parallelism: refused before a model is loaded.
     with pytest.raises(ValueError, match="enable_embedding_lora.*tensor parallel"):
@@ -345,13 +354,11 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(untied, tmp_path):
     with pytest.raises(ValueError, match="enable_embedding_lora must be a bool"):
         LLM(str(base), progress=False, enable_embedding_lora="yes", **ENGINE)
     # With the option: a bad adapter is refused by name, the others keep being served.
-    llm = LLM(str(base), progress=False, enable_embedding_lora=True, **ENGINE)
-    good = LoRARequest("both", 1, str(paths["both"]))
+    good = LoRARequest("both", IDS["both"], str(paths["both"]))
     want = llm.generate(["Hello"], greedy, good)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="embed_tokens"):
-        llm.generate(["Hello"], greedy, LoRARequest("bad", 2, str(tmp_path / "short_vocab")))
+        llm.generate(["Hello"], greedy, LoRARequest("bad", 99, str(tmp_path / "short_vocab")))
     assert llm.generate(["Hello"], greedy, good)[0].outputs[0].token_ids == want
-    llm.close()
 
 
 def test_training_refuses_vocab_slots(untied):

@@ -522,7 +522,8 @@ def init_lora_state(
     for m in lora_state_modules(modules):
         if m in VOCAB_MODULES:
             d_in, d_out = vocab[m]
-            out[m] = {"A": zeros((1, max_loras, d_in, max_rank), dtype), "B": zeros((1, max_loras, max_rank, d_out), dtype)}
+            out[m] = {"A": zeros((1, max_loras, d_in, max_rank), dtype),
+                      "B": zeros((1, max_loras, max_rank, d_out), dtype)}
             continue
         out[m] = {"A": zeros((L, max_loras, shapes[m][0], len(shapes[m][1]) * max_rank), dtype),
                   "B": zeros((L, max_loras, max_rank, sum(shapes[m][1])), dtype),
