@@ -361,9 +361,63 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(untied, llm, tmp_path
     assert llm.generate(["Hello"], greedy, good)[0].outputs[0].token_ids == want
 
 
+def test_cli_flag_reaches_llm(cli_llm_kwargs):
+    generate, serve = cli_llm_kwargs
+    assert generate(["--enable-embedding-lora"])["enable_embedding_lora"] is True
+    assert "enable_embedding_lora" not in generate([])  # LLM's default (off)
+    assert serve(["--enable-embedding-lora"])["enable_embedding_lora"] is True
+    assert serve([])["enable_embedding_lora"] is False
+
+
 def test_training_refuses_vocab_slots(untied):
     base, _ = untied
     cfg, tensors = read_hf_checkpoint(base)
     state = init_lora_state(cfg, 1, MAX_RANK, modules=LORA_MODULES + VOCAB_MODULES)
     with pytest.raises(ValueError, match="embed_tokens / lm_head"):
         build_model(cfg, tensors).train_logits(np.zeros((1, 4), np.int32), state)
+
+
+@pytest.mark.slow  # the real default model (SmolLM2-135M, tied embeddings): its own engine's warm-up
+def test_real_tied_model_matches_peft(hf_real, tmp_path):
+    from conftest import TEST_ENGINE
+
+    model, _ = hf_real
+    specs = {"tied_ewt": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "q_proj"],
+                              ensure_weight_tying=True),
+             "indep": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "lm_head", "v_proj"])}
+    std = {"lora_embedding_A": 1.0, "lora_embedding_B": 0.01, "lm_head.lora_A": 0.05, "lm_head.lora_B": 0.1}
+    for i, (name, spec) in enumerate(specs.items()):
+        torch.manual_seed(400 + i)
+        pm = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **spec), adapter_name=name)
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                s = next((v for k, v in std.items() if k in n), None)
+                if s is not None:
+                    p.normal_(0.0, s)
+        pm.save_pretrained(tmp_path, selected_adapters=[name])
+        pm.unload()
+    reqs = {n: LoRARequest(f"real-{n}", 800 + i, str(tmp_path / n)) for i, n in enumerate(specs)}
+    order = ["tied_ewt", None, "indep", "tied_ewt"]
+    prompts = ["What is the capital of France?", "Name a fruit.", "Write a haiku.", "2 + 2 ="]
+    llm = LLM(progress=False, enable_embedding_lora=True, **TEST_ENGINE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    before = compile_stats.compile_count()
+    outs = llm.generate(prompts, greedy, [reqs[n] if n else None for n in order])
+    assert compile_stats.compile_count() == before
+    for o, n in zip(outs, order):
+        ids = list(o.prompt_token_ids)
+        m = model if n is None else peft.PeftModel.from_pretrained(model, str(tmp_path / n)).eval()
+        try:
+            with torch.no_grad():
+                want = m.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10,
+                                  do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
+                if n is not None:  # the adapter moved the tokens off the base model's
+                    with m.disable_adapter():
+                        base = m.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10,
+                                          do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
+                    assert base != want, n
+        finally:
+            if n is not None:
+                m.unload()
+        assert o.outputs[0].token_ids == want, n
+    llm.close()
