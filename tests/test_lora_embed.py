@@ -111,12 +111,17 @@ def _peft_logits(base, paths, name, ids: np.ndarray) -> np.ndarray:  # [T, V] of
         return m(input_ids=torch.from_numpy(ids[None].astype(np.int64))).logits[0].float().numpy()
 
 
-def _peft_greedy(base, paths, name, ids: list[int], n: int) -> list[int]:
-    m = _peft(str(base), None if name is None else str(paths[name]))
+def _greedy(m, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens, EOS included like any other (jlora's ignore_eos; HF's min_new_tokens would ban it)."""
+    out: list[int] = []
     with torch.no_grad():
-        out = m.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        for _ in range(n):
+            out.append(int(m(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax()))
+    return out
+
+
+def _peft_greedy(base, paths, name, ids: list[int], n: int) -> list[int]:
+    return _greedy(_peft(str(base), None if name is None else str(paths[name])), ids, n)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -275,16 +280,13 @@ def test_scaled_and_combined_rows_match_peft_cat(untied, llm):
     outs = llm.generate(prompts, greedy, [r for r, _ in rows])
     for o, (_, name) in zip(outs, rows):
         ids = list(o.prompt_token_ids)
-        with torch.no_grad():
-            if name is None:
-                with pm.disable_adapter():
-                    want = pm.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6,
-                                       do_sample=False, pad_token_id=0)
-            else:
-                pm.set_adapter(name)
-                want = pm.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6,
-                                   do_sample=False, pad_token_id=0)
-        assert o.outputs[0].token_ids == want[0, len(ids):].tolist(), name
+        if name is None:
+            with pm.disable_adapter():
+                want = _greedy(pm, ids, 6)
+        else:
+            pm.set_adapter(name)
+            want = _greedy(pm, ids, 6)
+        assert o.outputs[0].token_ids == want, name
 
 
 def test_prompt_logprobs_read_the_head_adapter(untied, llm):
@@ -378,24 +380,30 @@ def test_training_refuses_vocab_slots(untied):
 
 
 @pytest.mark.slow  # the real default model (SmolLM2-135M, tied embeddings): its own engine's warm-up
-def test_real_tied_model_matches_peft(hf_real, tmp_path):
+def test_real_tied_model_matches_peft(tmp_path):
     from conftest import TEST_ENGINE
 
-    model, _ = hf_real
+    from jlora.models import default_model_path
+
+    path = default_model_path()
+
+    def fresh():  # a new HF model each time: peft's ensure_weight_tying leaves a model it unloads changed
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                 dtype=torch.float32).eval()
+
     specs = {"tied_ewt": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "q_proj"],
                               ensure_weight_tying=True),
              "indep": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "lm_head", "v_proj"])}
     std = {"lora_embedding_A": 1.0, "lora_embedding_B": 0.01, "lm_head.lora_A": 0.05, "lm_head.lora_B": 0.1}
     for i, (name, spec) in enumerate(specs.items()):
         torch.manual_seed(400 + i)
-        pm = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **spec), adapter_name=name)
+        pm = peft.get_peft_model(fresh(), peft.LoraConfig(init_lora_weights=False, **spec))
         with torch.no_grad():
             for n, p in pm.named_parameters():
                 s = next((v for k, v in std.items() if k in n), None)
                 if s is not None:
                     p.normal_(0.0, s)
-        pm.save_pretrained(tmp_path, selected_adapters=[name])
-        pm.unload()
+        pm.save_pretrained(tmp_path / name)
     reqs = {n: LoRARequest(f"real-{n}", 800 + i, str(tmp_path / n)) for i, n in enumerate(specs)}
     order = ["tied_ewt", None, "indep", "tied_ewt"]
     prompts = ["What is the capital of France?", "Name a fruit.", "Write a haiku.", "2 + 2 ="]
@@ -404,20 +412,12 @@ def test_real_tied_model_matches_peft(hf_real, tmp_path):
     before = compile_stats.compile_count()
     outs = llm.generate(prompts, greedy, [reqs[n] if n else None for n in order])
     assert compile_stats.compile_count() == before
+    llm.close()
+    refs = {n: fresh() if n is None else peft.PeftModel.from_pretrained(fresh(), str(tmp_path / n)).eval()
+            for n in (None, *specs)}
     for o, n in zip(outs, order):
         ids = list(o.prompt_token_ids)
-        m = model if n is None else peft.PeftModel.from_pretrained(model, str(tmp_path / n)).eval()
-        try:
-            with torch.no_grad():
-                want = m.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10,
-                                  do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
-                if n is not None:  # the adapter moved the tokens off the base model's
-                    with m.disable_adapter():
-                        base = m.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10,
-                                          do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
-                    assert base != want, n
-        finally:
-            if n is not None:
-                m.unload()
+        want = _greedy(refs[n], ids, 10)
         assert o.outputs[0].token_ids == want, n
-    llm.close()
+        if n is not None:  # the adapter moved the tokens off the base model's
+            assert _greedy(refs[None], ids, 10) != want, n

@@ -8,7 +8,13 @@ Both engines must give the same tokens (the option changes no plain row's arithm
 also runs a third engine (option on) whose adapters add embed_tokens + lm_head LoRA (same ranks):
 what rows with such adapters cost.
 
+`--step-reps N` instead times the decoder step alone (forward + head over 16 decode tokens, 4 plain
+adapters of ranks 8/16/8/32 in 4 slots of rank 32, one jitted function per state, calls
+interleaved): the slots without and with the embedding / head entries, the flags False, as a plain
+batch on an engine with the option runs it.
+
     jlora bench embed-cost [--rounds 3] [--vocab]
+    jlora bench embed-cost --step-reps 60
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--vocab", action="store_true", help="also time rows whose adapters have embed/head LoRA")
+    p.add_argument("--step-reps", type=int, default=0, help="time the decoder step alone, this many calls each")
     args = p.parse_args(argv)
+    if args.step_reps:
+        return step_cost(args.step_reps)
 
     import jax
 
@@ -90,6 +100,57 @@ def main(argv: list[str] | None = None) -> int:
     print("rounds:", args.rounds, "jax", jax.__version__)
     for llm in llms.values():
         llm.close()
+    return 0
+
+
+def step_cost(reps: int) -> int:
+    """The decoder step with slots without / with embedding and head LoRA entries (flags False)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jlora.adapters import padded_update, read_peft_adapter
+    from jlora.adapters.manager import LoRASlots, SlotWrite
+    from jlora.bench.lora_cost import write_adapters
+    from jlora.models.config import LORA_MODULES, VOCAB_MODULES
+    from jlora.models.llama import AttnGroup, init_cache
+    from jlora.models.loading import load_model
+
+    model = load_model(None)[0]
+    cfg = model.cfg
+    paths = write_adapters(Path(tempfile.mkdtemp(prefix="jlora-embed-step-")), cfg)
+    states = {}
+    for name, modules in (("off", LORA_MODULES), ("on", LORA_MODULES + VOCAB_MODULES)):
+        slots = LoRASlots(cfg, 4, 32, modules=modules)
+        slots.write([SlotWrite(i, padded_update(read_peft_adapter(q, cfg, 32), cfg, 32, modules))
+                     for i, q in enumerate(paths)])
+        states[name] = slots.state
+    t = 16
+    graphdef, params = nnx.split(model)
+    cache = init_cache(cfg, 64, 16)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, t), jnp.int32)
+    group = AttnGroup(jnp.full((t, 1), 48, jnp.int32), jnp.asarray(np.arange(t * 4).reshape(t, 4) % 64, jnp.int32))
+    slot_ids = jnp.asarray([i % 4 for i in range(t)], jnp.int32)
+    scale, mix, no = jnp.ones((t,), jnp.float32), jnp.zeros((t, 4), jnp.float32), jnp.asarray(False)
+
+    @jax.jit
+    def step(params, state, cache):
+        m = nnx.merge(graphdef, params)
+        h, _ = m.forward(tokens, slot_ids, (group,), cache, state, slot_scale=scale, slot_mix=mix, embed_lora=no)
+        return m.logits(h, state, slot_ids, scale, mix, enabled=no)
+
+    outs = {k: step(params, s, cache).block_until_ready() for k, s in states.items()}
+    print("logits bit-equal with and without the embedding / head slots:", bool(jnp.array_equal(*outs.values())))
+    times: dict[str, list[float]] = {k: [] for k in states}
+    for _ in range(reps):
+        for k, s in states.items():
+            start = time.perf_counter()
+            step(params, s, cache).block_until_ready()
+            times[k].append(time.perf_counter() - start)
+    for name, stat in (("median", statistics.median), ("min", min)):
+        ms = {k: stat(v) * 1e3 for k, v in times.items()}
+        print(f"{name} ms:", {k: round(v, 1) for k, v in ms.items()}, "on / off:", round(ms["on"] / ms["off"], 4))
+    print("reps:", reps, "jax", jax.__version__)
     return 0
 
 
