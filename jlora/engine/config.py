@@ -53,7 +53,7 @@ class EngineConfig:
     # Sorted ascending; the largest must be max_lora_rank.
     lora_slot_ranks: tuple[int, ...] | None = None
     # LoRA on embed_tokens / lm_head (jlora.models.vocab_lora): every slot gets vocabulary-sized room
-    # ([V, R] + [R, V] per slot: 101 MB more for SmolLM2's 4 slots of rank 64 in float32), and steps
+    # ([V, R] + [R, V] per slot: 102 MB more for SmolLM2's 4 slots of rank 64 in float32), and steps
     # whose rows have such an adapter add the per-row deltas. Off: such adapters are refused by name.
     enable_embedding_lora: bool = False
     max_cpu_loras: int | None = None  # host cache of converted adapters; None = default_max_cpu_loras(max_loras)
