@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jlora.kernels.common import MIX_SLOT
 from jlora.models import quant
 
-Pools = tuple  # the LoRA state's slot pools (one dict per pool of one rank)
 
 
 def pools_of(lora_state: Any, module: str) -> tuple[dict[str, jax.Array], ...]:
