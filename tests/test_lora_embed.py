@@ -387,7 +387,7 @@ def test_real_tied_model_matches_peft(tmp_path):
 
     path = default_model_path()
 
-    def fresh():  # a new HF model each time: peft's ensure_weight_tying leaves a model it unloads changed
+    def fresh():  # a new HF model for each adapter and reference: peft injects its layers into the model it wraps
         return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                  dtype=torch.float32).eval()
 
