@@ -139,6 +139,7 @@ class LLM(Closable):
         max_loras: int = ENGINE_DEFAULTS["max_loras"],
         max_lora_rank: int = ENGINE_DEFAULTS["max_lora_rank"],
         lora_slot_ranks: Seq[int] | None = None,
+        enable_embedding_lora: bool = ENGINE_DEFAULTS["enable_embedding_lora"],
         max_cpu_loras: int | None = None,
         max_cpu_lora_bytes: int | None = None,
         lora_impl: str = ENGINE_DEFAULTS["lora_impl"],
@@ -197,7 +198,7 @@ class LLM(Closable):
             dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, token_buckets=token_buckets,
-            lora_slot_ranks=lora_slot_ranks,
+            lora_slot_ranks=lora_slot_ranks, enable_embedding_lora=enable_embedding_lora,
             attn_chunk=attn_chunk, attn_impl=attn_impl, async_scheduling=async_scheduling, block_size=block_size,
             base_graphs=base_graphs, scheduling_policy=scheduling_policy,
             decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
@@ -208,6 +209,10 @@ class LLM(Closable):
         if kv_cache_memory_fraction is not None and num_kv_blocks is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory_fraction, not both")
         path = resolve_model_path(model)  # a missing model path fails here, before anything is read
+        if self.config.enable_embedding_lora and tensor_parallel_size != 1:
+            raise ValueError(f"enable_embedding_lora=True is not supported with tensor parallelism "
+                             f"(tensor_parallel_size={tensor_parallel_size}): the embedding / head LoRA slots are "
+                             f"not sharded")
         self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
         device_groups = parallel_devices(path, tensor_parallel_size, data_parallel_size)
         t_checked = time.perf_counter()

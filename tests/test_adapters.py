@@ -471,8 +471,8 @@ def test_one_fit_check_for_files_converted_adapters_and_the_manager(tmp_path):
     ad = _random_adapter(0, ("down_proj",), 8, name="sql")
     with pytest.raises(ValueError, match=r"^adapter 'sql': module 'down_proj' has rank r=8, above max_lora_rank=4$"):
         ad.validate(CFG, 4)
-    odd = LoRAAdapter("odd", {"lm_head": 2}, {"lm_head": (np.zeros((2, 64, 2)), np.zeros((2, 2, 64)))})
-    with pytest.raises(ValueError, match=r"^adapter 'odd': unknown LoRA modules \['lm_head'\]; known: \['q_proj', "):
+    odd = LoRAAdapter("odd", {"score": 2}, {"score": (np.zeros((2, 64, 2)), np.zeros((2, 2, 64)))})
+    with pytest.raises(ValueError, match=r"^adapter 'odd': unknown LoRA modules \['score'\]; known: \['q_proj', "):
         odd.validate(CFG)
     write_peft(tmp_path / "q", modules=("q_proj", "o_proj"), r=2)
     mgr = AdapterManager(CFG, max_loras=1, max_lora_rank=8, modules=("v_proj", "o_proj"))

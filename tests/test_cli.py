@@ -192,6 +192,7 @@ def test_verbose_prints_timings(capsys, monkeypatch):
     (["bench", "tpu-compile", "--shape", "tiny"], "tpu_compile", ["--shape", "tiny"]),
     (["bench", "soak", "--rate", "1"], "soak", ["--rate", "1"]),
     (["bench", "dora-cost", "--reps", "3"], "dora_cost", ["--reps", "3"]),
+    (["bench", "embed-cost", "--vocab"], "embed_cost", ["--vocab"]),
 ])
 def test_bench_dispatch_reaches_each_benchmark(monkeypatch, argv, module, rest):
     import importlib
@@ -200,7 +201,7 @@ def test_bench_dispatch_reaches_each_benchmark(monkeypatch, argv, module, rest):
 
     assert sorted(jlora.bench.BENCHMARKS.values()) == sorted(
         ["workload", "start", "kernels", "serve", "adapters", "lora_cost", "decode_step", "adapter_load",
-         "parallel", "tpu", "tpu_compile", "prefix", "soak", "dora_cost"])
+         "parallel", "tpu", "tpu_compile", "prefix", "soak", "dora_cost", "embed_cost"])
     seen = []
     for name in jlora.bench.BENCHMARKS.values():
         mod = importlib.import_module(f"jlora.bench.{name}")

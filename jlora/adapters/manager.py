@@ -70,7 +70,7 @@ from jlora.adapters.peft import (
 from jlora.adapters.request import LoRARequest
 from jlora.engine.config import default_max_cpu_loras
 from jlora.models import quant
-from jlora.models.config import LORA_MODULES, PACKED_MODULES, LlamaConfig
+from jlora.models.config import LORA_MODULES, PACKED_MODULES, VOCAB_MODULES, LlamaConfig
 from jlora.models.llama import LoRAState, host_zeros, init_lora_state, lora_state_modules
 from jlora.models.tensor_parallel import TensorParallel, lora_spec
 
@@ -133,7 +133,7 @@ def set_slot(
 def base_weights(model: Any, lora_state: LoRAState) -> dict[str, Any]:
     """The base weights of the packed modules `lora_state` holds, as the model keeps them."""
     weights = model.layers.weights()
-    return {m: weights[m] for m in lora_state}
+    return {m: weights[m] for m in lora_state if m not in VOCAB_MODULES}
 
 
 def packed_splits(model_cfg: LlamaConfig, shards: int = 1) -> tuple:
@@ -206,7 +206,8 @@ def padded_update(
     sub-module s (q, k, v of `qkv_proj`; gate, up of `gate_up_proj`) has its A in lanes
     [s*R, s*R + r) and its B in rows [0, r) of its own output columns; what the adapter does not
     target stays zero. "M" holds a DoRA adapter's magnitudes in the same columns, NaN elsewhere
-    (and everywhere for a plain adapter).
+    (and everywhere for a plain adapter). embed_tokens / lm_head (in `modules`: an engine with
+    enable_embedding_lora) are {"A": [1, in, R], "B": [1, R, out]}, the adapter's in lanes [0, r).
     `adapter=None` gives all zeros (an empty slot).
     """
     shapes = model_cfg.packed_shapes()
@@ -216,6 +217,14 @@ def padded_update(
         adapter.validate(model_cfg, max_rank, holds=tuple(modules))
     out = {}
     for f in lora_state_modules(modules):
+        if f in VOCAB_MODULES:
+            d_in, d_out = model_cfg.vocab_shapes()[f]
+            a, b = np.zeros((1, d_in, max_rank), dtype), np.zeros((1, max_rank, d_out), dtype)
+            if adapter is not None and f in adapter.weights:
+                wa, wb = adapter.weights[f]
+                a[:, :, :wa.shape[-1]], b[:, :wb.shape[1]] = wa, wb
+            out[f] = {"A": a, "B": b}
+            continue
         d_in, outs = shapes[f]
         a = np.zeros((L, d_in, len(outs) * max_rank), dtype)
         b = np.zeros((L, max_rank, sum(outs)), dtype)
@@ -290,7 +299,7 @@ class LoRASlots:
             else:
                 self.pools.append((i, 1, r))
         self._states = [self._zeros(model_cfg, n, r, dtype, tuple(modules)) for _, n, r in self.pools]
-        self.base = None if base is None else {m: base[m] for m in self._states[0]}
+        self.base = None if base is None else {m: base[m] for m in self._states[0] if m not in VOCAB_MODULES}
         self.splits = packed_splits(model_cfg) if tp is None else packed_splits(tp.layout_cfg, tp.size)
         self.num_writes = 0
         self._writes: list[Any] = [None] * len(self.pools)  # each pool's compiled set_slot (warmup, or first write)

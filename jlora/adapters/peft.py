@@ -24,9 +24,15 @@ DoRA (`use_dora=True`): each targeted module also has `...lora_magnitude_vector`
 `LoRAAdapter.magnitudes` (f32[L, out], NaN where a layer is not targeted). The slot write turns it
 into the per-column factor m / ||W + s B A|| (jlora.adapters.dora).
 
+LoRA on the token embedding and the output head (`embed_tokens` / `lm_head` in target_modules)
+becomes weights["embed_tokens"] / weights["lm_head"] with one "layer" (`_vocab_weights` says how
+peft's tensors map and what a tied model with ensure_weight_tying does); an engine serves them with
+`enable_embedding_lora=True`. peft's saved copies of the base tables (`...base_layer.weight`, written
+by save_embedding_layers) are shape-checked and not read: the engine's own base weights are served.
+
 Anything that changes the math in a way jlora does not implement (modules_to_save,
-trainable tokens, biases, embedding / lm_head LoRA, target_parameters, ...) is rejected with a
-ValueError that names the field or tensor.
+trainable tokens, biases, DoRA on embed_tokens / lm_head, target_parameters, ...) is rejected with
+a ValueError that names the field or tensor.
 
 Converted adapters can be saved with orbax (`save_adapter` / `load_adapter`); `convert` does both
 steps for `jlora convert SRC DST`.
@@ -48,6 +54,7 @@ from jlora.formats import read_safetensors
 if TYPE_CHECKING:  # only in annotations: `check_adapter_dir` must not import the model (Flax)
     from jlora.models.config import LlamaConfig
 
+VOCAB_MODULES = ("embed_tokens", "lm_head")  # = jlora.models.config.VOCAB_MODULES (not imported here: no Flax)
 ADAPTER_CONFIG = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
 BIN_FILE = "adapter_model.bin"
@@ -79,6 +86,13 @@ _BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "lora_ga")
 _AB_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
 # DoRA's magnitude: peft saves `lora_magnitude_vector` (in memory `lora_magnitude_vector.<adapter>.weight`).
 _MAG_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>magnitude_vector)(?:\.(?P<adapter>[^.]+))?(?:\.weight)?$")
+# LoRA on the embedding (peft's `Embedding`: lora_embedding_A [r, V], lora_embedding_B [D, r]) and on
+# the output head (a plain Linear: lora_A [r, D], lora_B [V, r]); `base_layer.weight` is the copy of the
+# base table peft saves beside them (save_embedding_layers).
+_VOCAB_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>(?:.*\.)?(?P<short>embed_tokens|lm_head))\."
+                        r"(?:(?P<kind>lora_embedding_A|lora_embedding_B|lora_A|lora_B|lora_magnitude_vector)"
+                        r"(?:\.(?P<adapter>[^.]+))?(?:\.weight)?|(?P<base>base_layer\.weight))$")
+_VOCAB_KINDS = {"embed_tokens": ("lora_embedding_A", "lora_embedding_B"), "lm_head": ("lora_A", "lora_B")}
 _LAYER_MODULE = re.compile(
     r"^(?P<prefix>(?:.*\.)?)layers\.(?P<idx>\d+)\."
     r"(?P<parent>self_attn|mlp)\.(?P<module>\w+)$"  # a module of MODULE_PARENT
@@ -92,7 +106,8 @@ _LAYER_MODULE = re.compile(
 class LoRAAdapter:
     """One converted adapter, on the host.
 
-    weights: module -> (A f32[L, in, r_m], B f32[L, r_m, out]) with the PEFT scale folded into B;
+    weights: module -> (A f32[L, in, r_m], B f32[L, r_m, out]) with the PEFT scale folded into B
+    (embed_tokens / lm_head: L = 1, A [1, V, r] / [1, D, r], B [1, r, D] / [1, r, V]);
     ranks: module -> r_m (the largest rank of that module over layers). Modules the adapter does
     not target are absent; layers it does not target are zeros. magnitudes (DoRA only): module ->
     f32[L, out], PEFT's lora_magnitude_vector per layer, NaN for layers the module has no DoRA in.
@@ -115,7 +130,7 @@ class LoRAAdapter:
 
     @property
     def num_layers(self) -> int:
-        return next(iter(self.weights.values()))[0].shape[0] if self.weights else 0
+        return next((a.shape[0] for m, (a, _) in self.weights.items() if m not in VOCAB_MODULES), 0)
 
     @property
     def nbytes(self) -> int:
@@ -133,17 +148,18 @@ class LoRAAdapter:
             raise ValueError(f"adapter {self.name!r}: ranks name modules {sorted(self.ranks)} but weights "
                              f"name {sorted(self.weights)}")
         check_lora_fit(where, self.ranks, max_lora_rank, holds)
-        shapes = model_cfg.module_shapes()
-        L = model_cfg.num_hidden_layers
+        shapes = {**model_cfg.module_shapes(), **model_cfg.vocab_shapes()}
         for m, (a, b) in self.weights.items():
             d_in, d_out = shapes[m]
             r = self.ranks[m]
+            L = 1 if m in VOCAB_MODULES else model_cfg.num_hidden_layers  # one embedding / head per model
             if a.shape != (L, d_in, r):
                 raise ValueError(f"adapter {self.name!r}: {m}.A has shape {a.shape}, expected {(L, d_in, r)} "
                                  f"(layers, in_features, rank) for this base model")
             if b.shape != (L, r, d_out):
                 raise ValueError(f"adapter {self.name!r}: {m}.B has shape {b.shape}, expected {(L, r, d_out)} "
                                  f"(layers, rank, out_features) for this base model")
+        L = model_cfg.num_hidden_layers
         for m, mag in self.magnitudes.items():
             if m not in self.weights:
                 raise ValueError(f"adapter {self.name!r}: a DoRA magnitude for {m!r}, which has no LoRA weights")
@@ -353,9 +369,10 @@ def lora_scale(r: int, alpha: float, use_rslora: bool) -> float:
 def _reject_tensor(key: str, file: str | Path) -> ValueError:
     """The error for a tensor that is not a Llama linear layer's lora_A/lora_B."""
     if "lora_embedding_" in key or ".embed_tokens." in f".{key}.":
-        why = "LoRA or trained weights on the token embedding (embed_tokens) are not supported"
+        why = ("expected only embed_tokens.lora_embedding_{A,B} (LoRA) and embed_tokens.base_layer.weight on the "
+               "token embedding")
     elif "lm_head" in key:
-        why = "LoRA or trained weights on the output head (lm_head) are not supported"
+        why = "expected only lm_head.lora_{A,B}.weight (LoRA) and lm_head.base_layer.weight on the output head"
     elif "lora_magnitude_vector" in key:
         why = "DoRA magnitude vectors are supported on the decoder layers' linear modules only"
     elif "trainable_tokens" in key:
@@ -448,7 +465,12 @@ def _convert(
     prefixes: set[str] = set()
     adapter_names: set[str] = set()
     use_dora = bool(config.get("use_dora", False))
+    vocab: dict[str, dict[str, tuple[str, np.ndarray]]] = {}  # embed_tokens / lm_head -> kind -> (key, array)
     for key, arr in tensors.items():
+        v = _VOCAB_KEY.match(key)
+        if v is not None:
+            _read_vocab_tensor(v, key, arr, vocab, names, adapter_names, config, model_cfg, file, config_name)
+            continue
         m = _AB_KEY.match(key) or _MAG_KEY.match(key)
         module_name = m.group("module") if m else None
         if module_name is not None and module_name.startswith("base_model.model."):
@@ -482,7 +504,7 @@ def _convert(
         raise ValueError(f"{file} mixes tensors of several adapters {sorted(adapter_names)}; expected one")
     if len(prefixes) > 1:
         raise ValueError(f"{file}: tensors use different module name prefixes {sorted(prefixes)}")
-    prefix = prefixes.pop()
+    prefix = prefixes.pop() if prefixes else "model."  # an adapter of the head / embedding only
 
     # 2. Coverage: what the config targets must be there, with both halves.
     for i in range(L):
@@ -531,6 +553,10 @@ def _convert(
         per_module.setdefault(mod, {})[i] = (a.T.astype(np.float32), (b.T * np.float32(scale)).astype(np.float32))
         ranks[mod] = max(ranks.get(mod, 0), r)
 
+    vocab_weights = _vocab_weights(vocab, names, config, model_cfg, max_lora_rank, use_rslora, where=where,
+                                   file=file, config_name=config_name)
+    for mod, (a, b) in vocab_weights.items():
+        ranks[mod] = a.shape[-1]
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for mod in LORA_MODULES:
         if mod not in per_module:
@@ -543,8 +569,103 @@ def _convert(
             A[i, :, : a.shape[1]] = a
             B[i, : b.shape[0], :] = b
         weights[mod] = (A, B)
+    weights.update(vocab_weights)
     ranks = {m: ranks[m] for m in weights}
     return LoRAAdapter(name=name, ranks=ranks, weights=weights, source=source, magnitudes=mags)
+
+
+def _read_vocab_tensor(v: re.Match, key: str, arr: np.ndarray, vocab: dict, names: dict, adapter_names: set,
+                       config: Mapping[str, Any], model_cfg: LlamaConfig, file: str, config_name: str) -> None:
+    """File one embed_tokens / lm_head tensor (`_VOCAB_KEY` match `v`) into `vocab`, after its checks."""
+    short, module = v.group("short"), v.group("module")
+    if module.startswith("base_model.model."):
+        module = module[len("base_model.model."):]
+    if v.group("base"):  # peft's saved copy of the base table: must be the base model's shape; not read
+        want = (model_cfg.vocab_size, model_cfg.hidden_size)
+        if tuple(arr.shape) != want:
+            raise ValueError(f"{file}: tensor {key!r} has shape {tuple(arr.shape)}, expected {want} (the base "
+                             f"model's {short} weight)")
+        return
+    kind = v.group("kind")
+    if kind == "lora_magnitude_vector" or config.get("use_dora"):
+        raise ValueError(f"{file}: tensor {key!r}: DoRA (use_dora) on {short} is not supported; DoRA is served on "
+                         f"the decoder layers' linear modules only")
+    if kind not in _VOCAB_KINDS[short]:
+        raise _reject_tensor(key, file)
+    if v.group("adapter"):
+        adapter_names.add(v.group("adapter"))
+    tied_head = (short == "lm_head" and config.get("ensure_weight_tying") and model_cfg.tie_word_embeddings)
+    if config.get("target_modules") is not None and not tied_head and not _names_vocab(config, module):
+        raise ValueError(f"{file}: tensor {key!r} is for module {module!r}, which {config_name} does not target "
+                         f"(target_modules={config.get('target_modules')!r})")
+    got = vocab.setdefault(short, {})
+    ab = kind[-1]
+    if ab in got:
+        raise ValueError(f"{file}: tensors {got[ab][0]!r} and {key!r} are both {kind} of module {module!r}")
+    got[ab] = (key, arr)
+    names[short] = module
+
+
+def _names_vocab(config: Mapping[str, Any], module: str) -> bool:
+    """Whether target_modules names `module` (embed_tokens / lm_head, by its full name or its last part);
+    "all-linear" leaves both out, as in peft."""
+    target = config.get("target_modules")
+    if isinstance(target, str):
+        return target.lower() != "all-linear" and re.fullmatch(target, module) is not None
+    short = module.rsplit(".", 1)[-1]
+    return any(t in (module, short) or module.endswith(f".{t}") for t in target or [])
+
+
+def _vocab_weights(vocab: dict, names: dict, config: Mapping[str, Any], model_cfg: LlamaConfig,
+                   max_lora_rank: int | None, use_rslora: bool, *, where: str, file: str,
+                   config_name: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """embed_tokens / lm_head as (A f32[1, in, r], B f32[1, r, out]) with the scale folded into B.
+
+    embed_tokens: token t's delta is scale * lora_embedding_A[:, t] @ lora_embedding_B^T (peft's
+    `Embedding`), so A = lora_embedding_A^T [V, r] (row t read by token id), B = scale * B^T [r, D].
+    lm_head: A = lora_A^T [D, r], B = scale * lora_B^T [r, V]. On a tied model with
+    ensure_weight_tying, peft's head adapter *is* the embedding's (lora_A = lora_embedding_B^T,
+    lora_B = lora_embedding_A^T, at the head's own r / alpha); peft saves it too, and where a file
+    lacks it, it is made from the embedding's the same way. Without ensure_weight_tying the two
+    deltas are independent, tied base or not: peft adds the embedding's delta at the lookup only."""
+    from jlora.models.config import check_lora_fit
+
+    from_embedding = ("lm_head" not in vocab and "embed_tokens" in vocab and config.get("ensure_weight_tying")
+                      and model_cfg.tie_word_embeddings)
+    if from_embedding:
+        (ka, ea), (kb, eb) = vocab["embed_tokens"]["A"], vocab["embed_tokens"]["B"]
+        vocab = {**vocab, "lm_head": {"A": (kb, np.asarray(eb).T), "B": (ka, np.asarray(ea).T)}}
+        names = {**names, "lm_head": "lm_head"}
+    if isinstance(config.get("target_modules"), list):
+        for short, full in (("embed_tokens", "model.embed_tokens"), ("lm_head", "lm_head")):
+            if short not in vocab and _names_vocab(config, full):
+                raise ValueError(f"{file} has no LoRA tensors for {full!r}, which {config_name} targets "
+                                 f"(target_modules={config.get('target_modules')!r})")
+    out = {}
+    shapes = model_cfg.vocab_shapes()
+    for short, got in vocab.items():
+        full = names[short]
+        kind_a, kind_b = _VOCAB_KINDS[short]
+        if "A" not in got or "B" not in got:
+            have, lack = (kind_a, kind_b) if "A" in got else (kind_b, kind_a)
+            raise ValueError(f"{file}: module {full!r} has {have} but no {lack} tensor")
+        r, alpha = module_rank_alpha(config, full)
+        (ka, a), (kb, b) = got["A"], got["B"]
+        d_in, d_out = shapes[short]  # peft's A is [r, in], B [out, r]
+        ra = a.shape[0] if a.ndim == 2 else -1
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, ra):
+            raise ValueError(f"{file}: tensors {ka!r} {tuple(a.shape)} and {kb!r} {tuple(b.shape)} do not fit the "
+                             f"base model's {short}: expected {(r, d_in)} and {(d_out, r)} (r={r} from {config_name})")
+        if a.shape[0] != r and not from_embedding:
+            raise ValueError(f"{file}: tensor {ka!r} has rank {a.shape[0]}, but {config_name} gives {full} "
+                             f"r={r}")
+        check_lora_fit(where, {full: a.shape[0]}, max_lora_rank)
+        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+            raise ValueError(f"{file}: tensors of module {full!r} contain NaN or Inf")
+        scale = np.float32(lora_scale(r, alpha, use_rslora))
+        out[short] = (np.ascontiguousarray(a.T, np.float32)[None],
+                      np.ascontiguousarray(b.T * scale, np.float32)[None])
+    return out
 
 
 # ---- orbax save / load ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
     jlora bench decode-step        decode_step.py: one engine decode step, adapters against none
     jlora bench adapter-load       adapter_load.py: disk -> host -> device slot time of one adapter
     jlora bench dora-cost          dora_cost.py: the decoder with and without DoRA factors, one process
+    jlora bench embed-cost         embed_cost.py: a plain mixed batch with enable_embedding_lora off vs on
     jlora bench parallel           parallel.py: step time and tokens/s against TP x DP (forced CPU devices)
     jlora bench tpu                tpu/: on a TPU chip, against its HBM and MXU roofline (docs/tpu.md)
     jlora bench tpu-compile        tpu_compile.py: the step graphs compiled for a v5e chip without one (libtpu)
@@ -27,7 +28,7 @@ import importlib
 BENCHMARKS = {"e2e": "workload", "start": "start", "kernels": "kernels", "serve": "serve", "adapters": "adapters",
               "lora-cost": "lora_cost", "decode-step": "decode_step", "adapter-load": "adapter_load",
               "parallel": "parallel", "tpu": "tpu", "tpu-compile": "tpu_compile", "prefix": "prefix",
-              "soak": "soak", "dora-cost": "dora_cost"}
+              "soak": "soak", "dora-cost": "dora_cost", "embed-cost": "embed_cost"}
 
 
 def run(name: str, argv: list[str]) -> int:

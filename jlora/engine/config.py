@@ -65,6 +65,10 @@ class EngineConfig:
     # the sum of the slot ranks, not max_loras x max_lora_rank). None: every slot max_lora_rank.
     # Sorted ascending; the largest must be max_lora_rank.
     lora_slot_ranks: tuple[int, ...] | None = None
+    # LoRA on embed_tokens / lm_head (jlora.models.vocab_lora): every slot gets vocabulary-sized room
+    # ([V, R] + [R, V] per slot: 102 MB more for SmolLM2's 4 slots of rank 64 in float32), and steps
+    # whose rows have such an adapter add the per-row deltas. Off: such adapters are refused by name.
+    enable_embedding_lora: bool = False
     max_cpu_loras: int | None = None  # host cache of converted adapters; None = default_max_cpu_loras(max_loras)
     lora_impl: str = "auto"
     block_size: int = 16  # KV cache positions per block
@@ -141,6 +145,8 @@ class EngineConfig:
                              f"(one request of n samples must fit), got {w!r}")
         if self.base_graphs not in BASE_GRAPHS:
             raise ValueError(f"EngineConfig.base_graphs must be one of {BASE_GRAPHS}, got {self.base_graphs!r}")
+        if not isinstance(self.enable_embedding_lora, bool):
+            raise ValueError(f"EngineConfig.enable_embedding_lora must be a bool, got {self.enable_embedding_lora!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"EngineConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.max_overtakes, int) or self.max_overtakes < 0:
@@ -180,6 +186,14 @@ class EngineConfig:
         if list(b) != sorted(set(b)) or b[-1] != chunk or b[0] < 1 or not all(isinstance(x, int) for x in b):
             raise ValueError(f"EngineConfig.token_buckets={b} must be increasing positive ints ending at "
                              f"min(max_num_batched_tokens, max_model_len)={chunk}")
+
+    @property
+    def lora_modules(self) -> tuple[str, ...]:
+        """The PEFT modules the engine's LoRA state holds: the decoder's linear layers, and
+        embed_tokens / lm_head with enable_embedding_lora."""
+        from jlora.models.config import LORA_MODULES, VOCAB_MODULES  # here: importing this file loads no model code
+
+        return LORA_MODULES + (VOCAB_MODULES if self.enable_embedding_lora else ())
 
     @property
     def slot_ranks(self) -> tuple[int, ...]:

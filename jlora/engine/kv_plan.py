@@ -137,7 +137,8 @@ def size_kv_cache(config: Any, model_cfg: Any, devices: Sequence[Any], kv_dtype:
     itemsize = jnp.dtype(quant.storage_dtype(kv_dtype)).itemsize
     block_bytes = config.block_size * kv_bytes_per_token(model_cfg.num_hidden_layers, kvh, dh, itemsize,
                                                          config.kv_cache_dtype, lanes)  # K and V, every layer
-    slots = jax.eval_shape(lambda: init_lora_state(model_cfg, config.max_loras, config.max_lora_rank, kv_dtype))
+    slots = jax.eval_shape(lambda: init_lora_state(model_cfg, config.max_loras, config.max_lora_rank, kv_dtype,
+                                                   modules=config.lora_modules))
     slot_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slots))
     blocks = fit_kv_blocks(mem["bytes_limit"], mem.get("bytes_in_use", 0), fraction, slot_bytes, block_bytes,
                            config.blocks_per_seq)

@@ -79,14 +79,15 @@ def _blame(seq: Sequence) -> Iterator[None]:
         raise RowFailed(seq, e) from e
 
 
-def _prompt_logprobs(model: Llama, hidden: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+def _prompt_logprobs(head: Any, rows: slice, targets: jax.Array, vocab_size: int) -> dict[str, jax.Array]:
     """Log-probabilities of the next prompt token at each prefill position (targets i32[P*Q], -1 =
     none) and the top MAX_LOGPROBS there; the head over every prefill token runs only in steps
-    where some row asked for prompt logprobs (a cond, so no extra graph)."""
-    k = min(MAX_LOGPROBS, model.cfg.vocab_size)
+    where some row asked for prompt logprobs (a cond, so no extra graph). `head(rows)`: the logits
+    of the prefill tokens `rows` (with their rows' head LoRA)."""
+    k = min(MAX_LOGPROBS, vocab_size)
 
     def compute():
-        lp = jax.nn.log_softmax(model.logits(hidden), axis=-1)  # f32[P*Q, V]: the model's raw distribution
+        lp = jax.nn.log_softmax(head(rows), axis=-1)  # f32[P*Q, V]: the model's raw distribution
         top_lp, top_ids = jax.lax.top_k(lp, k)
         return jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
@@ -199,7 +200,11 @@ def resolve_attn_impl(impl: str, tp_size: int, kv_dtype: Any) -> str:
 
 def fill_slots(batch: dict[str, Any], rows: slice, s: Sequence) -> None:
     """Tokens `rows` of `batch` read `s`'s adapter: its slot and scale, or (a combination) MIX_SLOT
-    and each part's weight at the part's slot."""
+    and each part's weight at the part's slot. With embedding LoRA slots (`vocab_lora` in the
+    batch), marks whether `s`'s adapter has embed_tokens / lm_head LoRA, for the step's conditionals."""
+    if "vocab_lora" in batch:
+        for i, m in enumerate(("embed_tokens", "lm_head")):
+            batch["vocab_lora"][i] |= any(m in h.adapter.weights for h in s.handles)
     if s.slots:
         batch["slot_ids"][rows] = MIX_SLOT
         batch["slot_mix"][rows, list(s.slots)] = s.lora.slot_weights
@@ -226,14 +231,25 @@ def step_graph(weights, lora_state, cache, ints, floats, history, allowed, prev_
     groups = [AttnGroup(batch["dec_positions"][:, None], batch["dec_tables"])]
     if batch["pre_positions"].shape[0]:
         groups.append(AttnGroup(batch["pre_positions"], batch["pre_tables"], runs=True))
+    # Embedding / head LoRA (enable_embedding_lora): whether some row's adapter has each, so a step
+    # without skips it (jlora.models.vocab_lora); None where the engine holds no such slots.
+    flags = batch.get("vocab_lora")
     hidden, cache = model.forward(batch["tokens"], batch["slot_ids"], tuple(groups), cache, lora_state,
                                   lora_impl=lora_impl, attn_chunk=attn_chunk, attn_impl=attn_impl,
                                   lora_skip=lora_skip, tuning=tuning,
-                                  slot_scale=batch["slot_scale"], slot_mix=batch["slot_mix"])
-    logits = model.logits(hidden[batch["sample_index"]])
-    out = sample(logits, batch["sampling"])
+                                  slot_scale=batch["slot_scale"], slot_mix=batch["slot_mix"],
+                                  embed_lora=None if flags is None else flags[0])
+
+    def head(rows: Any) -> Any:  # logits of the tokens at `rows` (an index array or a slice)
+        if flags is None:
+            return model.logits(hidden[rows])
+        return model.logits(hidden[rows], lora_state, batch["slot_ids"][rows], batch["slot_scale"][rows],
+                            batch["slot_mix"][rows], enabled=flags[1])
+
+    out = sample(head(batch["sample_index"]), batch["sampling"])
     if batch["pre_positions"].shape[0]:
-        out.update(_prompt_logprobs(model, hidden[batch["dec_positions"].shape[0]:], batch["prompt_targets"]))
+        out.update(_prompt_logprobs(head, slice(batch["dec_positions"].shape[0], None), batch["prompt_targets"],
+                                    model.cfg.vocab_size))
     packed, out_layout = pack_outputs(out)
     shape = batch["dec_positions"].shape + batch["pre_positions"].shape
     out_layouts[shape] = out_layout  # at trace time: how the host unpacks this graph's outputs
@@ -269,8 +285,11 @@ class ModelRunner:
         self.cache_lanes = cache_lanes(kvh, dh) if self.attn_impl == "pallas" else kvh * dh  # a cache row
         self.cache = self._zero_cache()
         # The placed base weights go to the slots too: a DoRA write takes its norm of them.
+        if config.enable_embedding_lora and self.tp.size > 1:
+            raise ValueError(f"enable_embedding_lora=True is not supported with tensor parallelism "
+                             f"(tensor_parallel_size={self.tp.size}): the embedding / head LoRA slots are not sharded")
         self.lora = LoRASlots(self.cfg, config.max_loras, config.max_lora_rank, model.dtype, tp=self.tp,
-                              slot_ranks=config.slot_ranks,
+                              slot_ranks=config.slot_ranks, modules=config.lora_modules,
                               base=nnx.merge(self.graphdef, self.state).layers.weights())
         shardings = None
         if self.tp.size > 1 or jax.process_count() > 1:  # outputs replicated; the cache keeps its sharding
@@ -368,7 +387,9 @@ class ModelRunner:
         dec_positions [R], dec_tables [R, MB]; pre_positions [P, Q], pre_tables [P, MB];
         sample_index [R]: the token each row samples from (its decode token, or the last prompt
         token of a prefill that completes in this step); prompt_targets [P*Q]: at a prefill token
-        whose sequence wants prompt logprobs, the prompt token that follows it (else -1).
+        whose sequence wants prompt logprobs, the prompt token that follows it (else -1);
+        vocab_lora bool[2] (enable_embedding_lora only): whether a row's adapter has embed_tokens /
+        lm_head LoRA (the step skips each delta otherwise).
         """
         c, (r, p, q) = self.config, shape
         return dict(
@@ -379,7 +400,9 @@ class ModelRunner:
             pre_positions=np.full((p, q), -1, np.int32), pre_tables=np.zeros((p, c.blocks_per_seq), np.int32),
             sample_index=np.arange(r, dtype=np.int32),
             prompt_targets=np.full((p * q,), -1, np.int32),
-            sampling=empty_sampling_batch(r, c.max_model_len, self.cfg.vocab_size))
+            sampling=empty_sampling_batch(r, c.max_model_len, self.cfg.vocab_size),
+            # enable_embedding_lora: (some row's adapter has embed_tokens LoRA, some has lm_head LoRA)
+            **({"vocab_lora": np.zeros((2,), np.bool_)} if c.enable_embedding_lora else {}))
 
     def build_batch(self, plan: StepPlan) -> dict[str, Any]:
         """The host arrays of `plan` (layout in `empty_batch`). Raises RowFailed naming the

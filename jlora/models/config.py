@@ -27,6 +27,10 @@ FUSED_OF = {sub: fused for fused, subs in PACKED_MODULES.items() for sub in subs
 LORA_MODULES: tuple[str, ...] = tuple(FUSED_OF)  # q, k, v, o, gate, up, down
 MODULE_PARENT: dict[str, str] = {  # module -> its parent block in HF Llama naming
     sub: "mlp" if fused in ("gate_up_proj", "down_proj") else "self_attn" for sub, fused in FUSED_OF.items()}
+# LoRA on the token embedding and the output head (PEFT names): one per model, not per layer, held
+# by an engine's LoRA state only with `EngineConfig.enable_embedding_lora` (vocabulary-sized slots).
+VOCAB_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
+EMBEDDING_LORA_OPTION = "enable_embedding_lora"  # what a refusal names
 
 
 def check_lora_fit(
@@ -38,11 +42,16 @@ def check_lora_fit(
     """The one check that an adapter fits an engine: known modules, held by its LoRA state, and
     no rank above `max_lora_rank`. ValueError naming `where`, the modules and the limit."""
     short = {m: m.rsplit(".", 1)[-1] for m in ranks}
-    unknown = sorted(m for m in ranks if short[m] not in LORA_MODULES)
+    unknown = sorted(m for m in ranks if short[m] not in LORA_MODULES + VOCAB_MODULES)
     if unknown:
-        raise ValueError(f"{where}: unknown LoRA modules {unknown}; known: {list(LORA_MODULES)}")
+        raise ValueError(f"{where}: unknown LoRA modules {unknown}; known: {list(LORA_MODULES + VOCAB_MODULES)}")
     if holds is not None:
         extra = sorted({short[m] for m in ranks} - set(holds))
+        vocab = [m for m in extra if m in VOCAB_MODULES]
+        if vocab:
+            raise ValueError(f"{where} has LoRA on {vocab}; this engine holds no embedding / output-head LoRA "
+                             f"slots: turn them on with {EMBEDDING_LORA_OPTION}=True "
+                             f"(LLM({EMBEDDING_LORA_OPTION}=True), --enable-embedding-lora)")
         if extra:
             raise ValueError(f"{where} targets modules {extra} that this engine's LoRA state does not hold "
                              f"(it holds {list(holds)})")
@@ -113,6 +122,11 @@ class LlamaConfig:
             "q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
             "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),
         }
+
+    def vocab_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of the LoRA factors of VOCAB_MODULES: embed_tokens maps a token (one of V) to D
+        features, lm_head D features to V logits."""
+        return {"embed_tokens": (self.vocab_size, self.hidden_size), "lm_head": (self.hidden_size, self.vocab_size)}
 
     def packed_shapes(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         """Fused module -> (in features, out features of each sub-module in column order)."""

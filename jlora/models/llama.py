@@ -37,8 +37,8 @@ from jlora.kernels import MIX_SLOT, lora_delta
 from jlora.kernels.attention import causal_attention, paged_attention
 from jlora.kernels.kv_quant import SCALE_DTYPE, quantize_kv
 from jlora.kernels.paged_attention_tpu import paged_attention_tpu
-from jlora.models import quant
-from jlora.models.config import LORA_MODULES, PACKED_MODULES, LlamaConfig  # LORA_MODULES: PEFT names
+from jlora.models import quant, vocab_lora
+from jlora.models.config import LORA_MODULES, PACKED_MODULES, VOCAB_MODULES, LlamaConfig  # PEFT names
 from jlora.models.tensor_parallel import split_packed
 from jlora.tuning import TuningOptions
 FUSED_MODULES = tuple(PACKED_MODULES)  # ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"): the GEMMs
@@ -285,6 +285,7 @@ class Llama(nnx.Module):
         slot_scale: jax.Array | None = None,  # f32[T]: each token's LoRA scale (None = 1)
         slot_mix: jax.Array | None = None,  # f32[T, N]: slot weights of tokens whose slot id is MIX_SLOT
         tuning: TuningOptions = TuningOptions(),  # how the graph is built (jlora.tuning), not what it computes
+        embed_lora: jax.Array | None = None,  # bool scalar: some token's adapter has embedding LoRA (None: compute)
     ) -> tuple[jax.Array, KVCache]:  # hidden states [T, D] before the final norm, new cache
         """The serving step's forward: keys and values go to the paged cache, attention reads it."""
         if attn_impl not in ("xla", "pallas"):
@@ -349,6 +350,7 @@ class Llama(nnx.Module):
 
         names = ("k", "v", "k_scale", "v_scale") if "k_scale" in cache else ("k", "v")
         x = quant.embed(quant.weight(self, "embed_tokens"), tokens)
+        x = vocab_lora.add_embed_delta(x, lora_state, tokens, slot_ids, slot_scale, slot_mix, embed_lora)
         x, kv = self._decoder(x, positions, slot_ids, lora_state, lora_impl, attend,
                               quant.to_bits(tuple(cache[n] for n in names)), lora_skip, tuning, slot_scale, slot_mix)
         return x, {n: quant.like(c, cache[n]) for n, c in zip(names, kv)}
@@ -368,6 +370,9 @@ class Llama(nnx.Module):
         "gather", "laned" or "pallas" (grouped's block loop has a data-dependent trip count)."""
         if lora_impl not in TRAINABLE_IMPLS:
             raise ValueError(f"lora_impl={lora_impl!r} cannot be differentiated; use one of {list(TRAINABLE_IMPLS)}")
+        if vocab_lora.pools_of(lora_state, "embed_tokens") or vocab_lora.pools_of(lora_state, "lm_head"):
+            raise ValueError("train_logits: training LoRA on embed_tokens / lm_head is not supported; make the "
+                             "training state without them (init_lora_state's default modules)")
         cfg = self.cfg
         bsz, t = tokens.shape
         h, kvh, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -462,8 +467,20 @@ class Llama(nnx.Module):
         (x, state), _ = jax.lax.scan(layer, (x, state), xs)
         return x, state
 
-    def logits(self, x: jax.Array) -> jax.Array:  # [..., D] hidden before the final norm -> f32[..., V]
-        return quant.lm_head(self.norm(x), quant.head_rows(self))
+    def logits(
+        self,
+        x: jax.Array,  # [..., D] hidden before the final norm ([S, D] with lora_state)
+        lora_state: LoRAState | None = None,  # its "lm_head" slots, if it holds them, add each row's head LoRA
+        slot_ids: jax.Array | None = None,  # i32[S]: each row's slot (-1 none, MIX_SLOT a combination)
+        slot_scale: jax.Array | None = None,  # f32[S]
+        slot_mix: jax.Array | None = None,  # f32[S, N]
+        enabled: jax.Array | None = None,  # bool scalar: some row's adapter has head LoRA (None: compute)
+    ) -> jax.Array:  # f32[..., V]
+        y = self.norm(x)
+        out = quant.lm_head(y, quant.head_rows(self))
+        if slot_ids is None:
+            return out
+        return vocab_lora.add_head_delta(out, y, lora_state, slot_ids, slot_scale, slot_mix, enabled)
 
     def __call__(
         self,
@@ -490,7 +507,8 @@ class Llama(nnx.Module):
         x = x.reshape(bsz, t, -1)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
-        return self.logits(x), cache
+            return self.logits(x, lora_state, seq_slot_ids), cache
+        return self.logits(x.reshape(bsz * t, -1), lora_state, slot_ids).reshape(bsz, t, -1), cache
 
 
 def host_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -517,11 +535,13 @@ def init_cache(cfg: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = 
 
 def lora_state_modules(modules: tuple[str, ...] = LORA_MODULES) -> tuple[str, ...]:
     """The packed modules a LoRA state holds for PEFT `modules`: each one with any sub-module there
-    (it then holds lanes for all of its sub-modules, zeros for those not in `modules`)."""
-    unknown = sorted(set(modules) - set(LORA_MODULES))
+    (it then holds lanes for all of its sub-modules, zeros for those not in `modules`), then
+    embed_tokens / lm_head where `modules` names them (VOCAB_MODULES)."""
+    unknown = sorted(set(modules) - set(LORA_MODULES) - set(VOCAB_MODULES))
     if unknown:
-        raise ValueError(f"modules: unknown LoRA modules {unknown}; known: {list(LORA_MODULES)}")
-    return tuple(f for f, subs in PACKED_MODULES.items() if any(m in modules for m in subs))
+        raise ValueError(f"modules: unknown LoRA modules {unknown}; known: {list(LORA_MODULES + VOCAB_MODULES)}")
+    return (tuple(f for f, subs in PACKED_MODULES.items() if any(m in modules for m in subs))
+            + tuple(m for m in VOCAB_MODULES if m in modules))
 
 
 def init_lora_state(
@@ -532,12 +552,20 @@ def init_lora_state(
     (S sub-modules; see `lora_state_modules`), stacked like the weights so the decoder's layer scan
     slices them with its layer. "M" is each slot's DoRA factor minus one per output column
     (jlora.adapters.dora): zeros for plain adapters and empty slots; float32 whatever `dtype` is,
-    since it scales the whole projection."""
+    since it scales the whole projection. With VOCAB_MODULES in `modules`, also
+    "embed_tokens" {"A": [1, N, V, R], "B": [1, N, R, D]} and "lm_head" {"A": [1, N, D, R],
+    "B": [1, N, R, V]} (jlora.models.vocab_lora), without "M"."""
     shapes = cfg.packed_shapes()
+    vocab = cfg.vocab_shapes()
     L = cfg.num_hidden_layers
-    return {
-        m: {"A": zeros((L, max_loras, shapes[m][0], len(shapes[m][1]) * max_rank), dtype),
-            "B": zeros((L, max_loras, max_rank, sum(shapes[m][1])), dtype),
-            "M": zeros((L, max_loras, sum(shapes[m][1])), jnp.float32)}
-        for m in lora_state_modules(modules)
-    }
+    out = {}
+    for m in lora_state_modules(modules):
+        if m in VOCAB_MODULES:
+            d_in, d_out = vocab[m]
+            out[m] = {"A": zeros((1, max_loras, d_in, max_rank), dtype),
+                      "B": zeros((1, max_loras, max_rank, d_out), dtype)}
+            continue
+        out[m] = {"A": zeros((L, max_loras, shapes[m][0], len(shapes[m][1]) * max_rank), dtype),
+                  "B": zeros((L, max_loras, max_rank, sum(shapes[m][1])), dtype),
+                  "M": zeros((L, max_loras, sum(shapes[m][1])), jnp.float32)}
+    return out
