@@ -162,7 +162,6 @@ def check_sample(got, exp, aborted: bool, tok) -> None:
                                atol=1e-3)
 
 
-@pytest.mark.slow  # randomized workloads, ~25 s a round
 def check_jobs(jobs: list[Job], outputs: dict, streams: dict, tok) -> None:
     """Every job's samples against the reference, and its streams joined to the final text."""
     for j in jobs:
@@ -173,6 +172,7 @@ def check_jobs(jobs: list[Job], outputs: dict, streams: dict, tok) -> None:
             check_sample(got, exp, j.abort_after is not None, tok)
 
 
+@pytest.mark.slow  # randomized workloads, ~25 s a round
 @pytest.mark.parametrize("seed", range(ROUNDS))
 def test_randomized_workload_equals_reference(llm, ref, tiny_adapters, seed):
     rng = np.random.default_rng(seed)
