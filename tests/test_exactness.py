@@ -295,6 +295,7 @@ def test_stream_holds_back_a_stop_string_that_spans_tokens(llm, ref):
     assert streamed == final.text == ref.generate(ids, p, 0, None)[0].text
 
 
+@pytest.mark.slow  # an engine with a KV cache of its own shape (cold compiles), ~30 s
 def test_preempted_request_keeps_its_adapter_version(tiny_dir, tiny_adapters, tmp_path):
     llm = LLM(str(tiny_dir[0]), progress=False, **{**ENGINE, "num_kv_blocks": 8, "max_loras": 2})
     eng = llm.engine
