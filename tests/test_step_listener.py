@@ -35,9 +35,8 @@ def test_listeners_see_every_step_phase_launch_and_collect(tiny_dir):
     from jlora import LLM, SamplingParams
     from jlora.bench.tpu.workloads import HostPhases, StepLog
 
-    # warmup=False: only the graphs the two runs use compile (warm-up is not what this tests).
     with LLM(str(tiny_dir[0]), max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, max_loras=2,
-             max_lora_rank=8, progress=False, warmup=False, use_compilation_cache=False, executable_cache=False,
+             max_lora_rank=8, progress=False, use_compilation_cache=False, executable_cache=False,
              weights_cache=False) as llm:
         rec, log, host = Recorder(), StepLog(1000, 10, 0), HostPhases()
         for listener in (rec, log, host):
