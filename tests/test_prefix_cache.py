@@ -324,6 +324,7 @@ def test_randomized_shared_prefixes_equal_cache_off_and_reference(small, tiny_ad
 # ---- data parallel --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two more engines, ~30 s of CPU
 def test_data_parallel_routes_to_the_replica_holding_the_prefix(on, tiny_adapters):
     """Two replicas (both on the one CPU device: routing is host logic): a request follows the
     replica that holds its prompt's prefix under its adapter, unless that one is a batch busier."""
@@ -441,6 +442,7 @@ def test_no_enable_prefix_caching_flag_reaches_llm_from_generate_and_serve(cli_l
         assert serve(flags)["enable_prefix_caching"] is want
 
 
+@pytest.mark.slow  # an engine with a KV cache of its own shape, ~30 s of CPU
 def test_eviction_is_least_recently_used_and_loses_nothing(tiny_dir, off):
     """9 blocks of 16. A 33-token prompt leaves 2 cached blocks; a 97-token one needs 7 blocks,
     so it evicts the least recently used cached prefix and keeps the one used since."""
