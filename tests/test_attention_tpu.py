@@ -27,6 +27,10 @@ from jlora.kernels.paged_attention_tpu import (UNROLL_PAGES, VMEM_BUDGET, cache_
                                                lane_tiles, paged_attention_tpu, prefill_sizes, query_block,
                                                vmem_estimate)
 
+# The interpreted kernel costs seconds a call on 2 cores: `make test-fast` runs one case of each
+# parametrized kernel test, `make test` every case.
+SLOW = pytest.mark.slow
+
 
 def make_case(h: int, kvh: int, dh: int, bs: int, nq: int, max_len: int = 384, layers: int = 2, seed: int = 0,
               dtype=np.float32):
@@ -48,9 +52,9 @@ def make_case(h: int, kvh: int, dh: int, bs: int, nq: int, max_len: int = 384, l
 
 @pytest.mark.parametrize("h,kvh,dh,bs,chunk,nq", [
     (4, 2, 16, 16, 32, 1),     # tile = the whole 32-lane row
-    (4, 2, 64, 16, 64, 1),     # two heads per 128-lane tile, decode
-    (8, 2, 64, 16, 128, 5),    # two heads per tile, G=4, a prefill group
-    (4, 2, 128, 8, 32, 3),     # one head per tile
+    pytest.param(4, 2, 64, 16, 64, 1, marks=SLOW),  # two heads per 128-lane tile, decode
+    pytest.param(8, 2, 64, 16, 128, 5, marks=SLOW),  # two heads per tile, G=4, a prefill group
+    pytest.param(4, 2, 128, 8, 32, 3, marks=SLOW),   # one head per tile
     (9, 3, 64, 16, 128, 2),    # SmolLM2's heads: 3 x 64 = 192 lanes, one tile
 ])
 def test_kernel_matches_reference(h, kvh, dh, bs, chunk, nq):
@@ -63,8 +67,8 @@ def test_kernel_matches_reference(h, kvh, dh, bs, chunk, nq):
 
 
 @pytest.mark.parametrize("h,kvh,dh,bs,chunk,nq", [
-    (4, 2, 64, 16, 64, 1), (8, 2, 64, 16, 128, 5),
-    (4, 2, 64, 8, 256, 1),  # 32 pages a chunk: past UNROLL_PAGES, the looped DMA issue
+    (4, 2, 64, 16, 64, 1), pytest.param(8, 2, 64, 16, 128, 5, marks=SLOW),
+    pytest.param(4, 2, 64, 8, 256, 1, marks=SLOW),  # 32 pages a chunk: past UNROLL_PAGES, the looped DMA issue
 ])
 def test_pages_past_the_end_are_not_read(h, kvh, dh, bs, chunk, nq):
     """The kernel copies only the pages a sequence reaches; the rest of a chunk's buffer holds
@@ -84,10 +88,11 @@ def test_pages_past_the_end_are_not_read(h, kvh, dh, bs, chunk, nq):
 
 
 @pytest.mark.parametrize("h,kvh,dh,bs,chunk,nq,sub", [
-    (4, 2, 64, 16, 256, 1, None),  # decode: 128-position steps of 8 pages, the last partly copied
-    (4, 2, 64, 16, 256, 1, 16),    # a page a step
-    (4, 2, 64, 32, 128, 1, 16),    # half a page a step
-    (8, 2, 64, 16, 256, 3, 64),    # several queries, 4 pages a step
+    # decode: 128-position steps of 8 pages, the last partly copied
+    pytest.param(4, 2, 64, 16, 256, 1, None, marks=SLOW),
+    pytest.param(4, 2, 64, 16, 256, 1, 16, marks=SLOW),    # a page a step
+    (4, 2, 64, 32, 128, 1, 16),                            # half a page a step
+    pytest.param(8, 2, 64, 16, 256, 3, 64, marks=SLOW),    # several queries, 4 pages a step
 ])
 def test_compute_steps_skip_what_a_sequence_does_not_reach(h, kvh, dh, bs, chunk, nq, sub):
     """A program computes its chunk in `sub_block` steps and skips those past its sequence's last
@@ -102,7 +107,7 @@ def test_compute_steps_skip_what_a_sequence_does_not_reach(h, kvh, dh, bs, chunk
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("step", [16, 32])
+@pytest.mark.parametrize("step", [pytest.param(16, marks=SLOW), 32])
 def test_prefill_programs_step_through_partial_chunks(step):
     """AttentionOptions.prefill_step: prefill programs (more than SMALL_PROGRAM_ROWS rows) compute a partial chunk in
     steps and skip those past their furthest query's page: a prompt from position 0 (its first
@@ -122,7 +127,8 @@ def test_prefill_programs_step_through_partial_chunks(step):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("round_to,chunk", [(16, 128), (48, 128), (20, 64)])
+@pytest.mark.parametrize("round_to,chunk", [pytest.param(16, 128, marks=SLOW), pytest.param(48, 128, marks=SLOW),
+                                            (20, 64)])
 def test_prefill_programs_compute_a_partial_chunk_as_one_smaller_block(round_to, chunk):
     """AttentionOptions.prefill_round: a prefill program computes a partial chunk as one block of the smallest
     multiple of `round_to` (whole pages: 20 -> 32) covering its copied pages; a size more than a
@@ -152,7 +158,8 @@ def test_prefill_programs_compute_a_partial_chunk_as_one_smaller_block(round_to,
         AttentionOptions(prefill_round=-16)
 
 
-@pytest.mark.parametrize("seqs,nq", [(2, 1), (3, 1), (6, 1), (4, 1), (3, 2)])
+@pytest.mark.parametrize("seqs,nq", [pytest.param(2, 1, marks=SLOW), pytest.param(3, 1, marks=SLOW),
+                                     pytest.param(6, 1, marks=SLOW), (4, 1), pytest.param(3, 2, marks=SLOW)])
 def test_several_sequences_a_program(seqs, nq):
     """`seqs_per_program`: a program walks several sequences (the largest divisor of B up to it: 4
     -> 3 of 6), each its own chunks, the next one's first chunk in flight as across programs; a fully
@@ -186,7 +193,7 @@ def test_compute_block_rule_and_bad_sub_blocks():
         AttentionOptions(sub_block=0)
 
 
-@pytest.mark.parametrize("window", [1, 40, 150])
+@pytest.mark.parametrize("window", [pytest.param(1, marks=SLOW), 40, pytest.param(150, marks=SLOW)])
 def test_sliding_window(window):
     q, k, v, positions, tables = make_case(8, 2, 64, 16, 3, seed=window)
     w = jnp.int32(window)
@@ -288,7 +295,8 @@ def test_engine_with_the_kernel_equals_the_xla_loop(tiny_dir, tiny_adapters):
         LLM(str(tiny_dir[0]), attn_impl="pallas", dtype="bfloat16", **engine)
 
 
-@pytest.mark.parametrize("h,kvh,dh,nq", [(9, 3, 64, 1), (9, 3, 64, 4), (4, 2, 16, 1)])
+@pytest.mark.parametrize("h,kvh,dh,nq", [pytest.param(9, 3, 64, 1, marks=SLOW), (9, 3, 64, 4),
+                                         pytest.param(4, 2, 16, 1, marks=SLOW)])
 def test_padded_cache_rows_read_as_the_unpadded(h, kvh, dh, nq):
     """A cache row widened to whole 128-lane tiles (`cache_lanes`: SmolLM2's 192 lanes -> 256, the
     tiny model's 32 -> 128): the kernel told the real KV heads reads what it reads from the

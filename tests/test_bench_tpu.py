@@ -197,6 +197,7 @@ def test_warm_section_says_when_sizing_started_the_runtime_before_llm(tmp_path):
     assert "the runtime was started before LLM()" in proc.stdout
 
 
+@pytest.mark.slow  # every LoRA variant of the layer stack compiled and timed, ~30 s
 def test_layer_stack_bench_times_every_lora_variant():
     """`--sections layers`: each token count with no slots, slots without adapter tokens, and 4 mixed
     adapters with and without the LoRA conditionals (each a positive time)."""
@@ -256,6 +257,7 @@ def test_a_kernel_out_of_vmem_is_not_an_hbm_oom():
     assert not common.is_oom(vmem) and common.is_oom(hbm)
 
 
+@pytest.mark.slow  # eight matmul variants compiled and timed
 def test_qmatmul_rows_are_kept_as_measured():
     """A chip call's limit can stop the section midway: each row is in `out` (and saved by
     `on_row`) as soon as it is measured."""
@@ -268,6 +270,7 @@ def test_qmatmul_rows_are_kept_as_measured():
     assert all(r["us"] > 0 and "error" not in r for r in kept)
 
 
+@pytest.mark.slow  # the interpreted attention kernel and the XLA one, compiled and timed
 def test_kernel_rows_name_their_page_chunk_and_knobs():
     """Each kernel row says which page size, chunk and knobs it measured (results.json used to
     leave the variants to the order of the log)."""
@@ -278,6 +281,7 @@ def test_kernel_rows_name_their_page_chunk_and_knobs():
     assert all(r["us"] > 0 and r["max_err"] < 1e-2 for r in got)
 
 
+@pytest.mark.slow  # the interpreted attention kernel under the profiler
 def test_kernel_profile_keeps_each_cases_device_ops(capsys):
     """`--kernel-profile`: one more loop per case under jax.profiler, its summary kept in the row and
     printed (XLA:CPU has no device plane, which the summary says; on a TPU it lists the ops)."""
@@ -290,6 +294,7 @@ def test_kernel_profile_keeps_each_cases_device_ops(capsys):
     assert cli.parse_args(["--kernel-profile"]).kernel_profile and not cli.parse_args([]).kernel_profile
 
 
+@pytest.mark.slow  # four fresh processes, 512 MB transfers
 def test_runtime_section_times_the_backend_start_imports_and_transfers(tmp_path):
     """`--sections runtime` (here on the CPU): one fresh process per TPU_PREMAPPED_BUFFER_SIZE value
     with its start and a 512 MB transfer each way, then LLM()'s imports alone and beside the start."""

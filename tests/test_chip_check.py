@@ -84,6 +84,7 @@ def test_decode_tokens_survive_a_subnormal_flush(tiny_dir, monkeypatch):
     assert got == want
 
 
+@pytest.mark.slow  # an engine of its own with the old packing, ~15 s
 def test_the_bug_reproduced_with_the_old_packing(tiny_dir, monkeypatch):
     """The same flush over the old float32 packing gives what the chip gave: id 0 (here from every
     step; the chip's prefill steps came through, its fusions there kept the bits)."""
@@ -131,6 +132,7 @@ def test_check_adapters_are_peft_adapters_and_reproducible(tmp_path):
     assert {int(k.split(".")[4]) for k in even} == set(range(0, cfg.num_hidden_layers, 2))
 
 
+@pytest.mark.slow  # the whole check: its engines and a reference process, ~60 s
 def test_chip_check_passes_the_cpu_against_itself(tmp_path):
     res = chip_check.run_check(["tiny"], tmp_path / "out", tmp_path, only=["tiny float32"])
     case = res["cases"]["tiny float32"]
@@ -215,6 +217,7 @@ def test_the_smollm2_cases_hold_int8_weights_but_w8a8_op_by_op():
     assert not any(c.get("quantization") == "int8" for c in cases.values())
 
 
+@pytest.mark.slow  # the whole check: its engines and a reference process, ~40 s
 def test_chip_check_fails_the_broken_step(tmp_path, monkeypatch):
     """The chip's bug on the CPU (the old packing and the flush) fails the check: the reference
     runs in its own process, unpatched."""

@@ -162,7 +162,6 @@ def check_sample(got, exp, aborted: bool, tok) -> None:
                                atol=1e-3)
 
 
-@pytest.mark.slow  # randomized workloads, ~25 s a round
 def check_jobs(jobs: list[Job], outputs: dict, streams: dict, tok) -> None:
     """Every job's samples against the reference, and its streams joined to the final text."""
     for j in jobs:
@@ -173,6 +172,7 @@ def check_jobs(jobs: list[Job], outputs: dict, streams: dict, tok) -> None:
             check_sample(got, exp, j.abort_after is not None, tok)
 
 
+@pytest.mark.slow  # randomized workloads, ~25 s a round
 @pytest.mark.parametrize("seed", range(ROUNDS))
 def test_randomized_workload_equals_reference(llm, ref, tiny_adapters, seed):
     rng = np.random.default_rng(seed)
@@ -295,6 +295,7 @@ def test_stream_holds_back_a_stop_string_that_spans_tokens(llm, ref):
     assert streamed == final.text == ref.generate(ids, p, 0, None)[0].text
 
 
+@pytest.mark.slow  # an engine with a KV cache of its own shape (cold compiles), ~30 s
 def test_preempted_request_keeps_its_adapter_version(tiny_dir, tiny_adapters, tmp_path):
     llm = LLM(str(tiny_dir[0]), progress=False, **{**ENGINE, "num_kv_blocks": 8, "max_loras": 2})
     eng = llm.engine

@@ -58,7 +58,8 @@ def test_a_dropped_llm_frees_its_memory_maps_without_the_cyclic_collector(tiny_d
 
 
 def test_with_closes_the_llm_and_frees_its_device_arrays(tiny_dir):
-    with LLM(str(tiny_dir[0]), progress=False, **ENGINE) as llm:
+    # warmup=False: the graph the request needs is compiled, and freed at close, all the same.
+    with LLM(str(tiny_dir[0]), progress=False, warmup=False, **ENGINE) as llm:
         assert len(llm.generate(["Hello there"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 4
         runner = llm.engine.runner
         arrays = [*runner.cache.values(), *runner._weights, *jax.tree.leaves(runner.lora_state)]
@@ -68,7 +69,7 @@ def test_with_closes_the_llm_and_frees_its_device_arrays(tiny_dir):
 
 
 def test_a_closed_llm_raises_when_used_and_closes_once(tiny_dir):
-    llm = LLM(str(tiny_dir[0]), progress=False, **ENGINE)
+    llm = LLM(str(tiny_dir[0]), progress=False, warmup=False, **ENGINE)  # closed before any graph is needed
     llm.close()
     llm.close()  # idempotent
     for use in (lambda: llm.generate(["Hello there"], GREEDY, use_tqdm=False),
@@ -197,6 +198,7 @@ def _ended(prefixes: tuple[str, ...], ignore: frozenset[threading.Thread] = froz
     return [t.name for p in prefixes for t in _threads(p, ignore)]
 
 
+@pytest.mark.slow  # an engine that compiles and stores every graph, and its server, ~25 s
 def test_the_server_and_then_the_llm_stop_every_thread_they_started(tiny_dir, tiny_adapters, tmp_path,
                                                                   empty_compile_cache):
     """Each pool an LLM and the server start: the server's lifespan ends its engine thread and its

@@ -54,10 +54,12 @@ def tiny_result(tiny_dir, tiny_adapters):
 TINY_RUNS = ["tp2_dp1", "tp4_dp1", "tp1_dp2", "tp2_dp2"]
 
 
+@pytest.mark.slow  # the four-device worker: 11 engines in a process of their own, ~130 s
 def test_tiny_sees_four_devices(tiny_result):
     assert tiny_result["devices"] == 4
 
 
+@pytest.mark.slow  # the four-device worker's result (its first use runs it)
 @pytest.mark.parametrize("run", TINY_RUNS)
 def test_tiny_parallel_tokens_and_logprobs_match_one_device(tiny_result, run):
     base, got = tiny_result["tp1_dp1"], tiny_result[run]
@@ -66,12 +68,14 @@ def test_tiny_parallel_tokens_and_logprobs_match_one_device(tiny_result, run):
     assert max_logprob_diff(got["logprobs"], base["logprobs"]) <= LOGPROB_TOL
 
 
+@pytest.mark.slow  # the four-device worker's result (its first use runs it)
 @pytest.mark.parametrize("run", ["tp1_dp1", *TINY_RUNS])
 def test_tiny_zero_compiles_while_adapters_churn(tiny_result, run):
     # 4 adapters (and the base model) over 2 slots: slots are rewritten throughout.
     assert tiny_result[run]["compiles_after_warmup"] == 0
 
 
+@pytest.mark.slow  # the four-device worker's result (its first use runs it)
 @pytest.mark.parametrize("run,tp", [("tp2_dp1", 2), ("tp4_dp1", 4), ("tp2_dp2", 2)])
 def test_tiny_each_device_holds_its_shard(tiny_result, run, tp):
     shards = tiny_result[run]["shards"]
@@ -90,6 +94,7 @@ def test_tiny_each_device_holds_its_shard(tiny_result, run, tp):
             assert info["devices"] == tp and info["all_same_size"], (replica, name, info)
 
 
+@pytest.mark.slow  # the four-device worker's result (its first use runs it)
 @pytest.mark.parametrize("layout", ["int8", "bfloat16", "slot_ranks"])
 def test_tiny_int8_bf16_and_ranked_slots_shard_too(tiny_result, layout):
     """int8 weights (q [L, out, in] + per-channel scales), bfloat16 (kept as bits on CPU) and slot
@@ -114,6 +119,7 @@ def test_tiny_int8_bf16_and_ranked_slots_shard_too(tiny_result, layout):
             assert shards[f"0:lora.{pool}.qkv_proj.B"]["fraction"] == pytest.approx(0.5)
 
 
+@pytest.mark.slow  # the four-device worker's result (its first use runs it)
 def test_tiny_memory_report_per_device(tiny_result):
     one = tiny_result["tp1_dp1"]["memory"]
     four = tiny_result["tp4_dp1"]["memory"]
@@ -127,6 +133,7 @@ def test_tiny_memory_report_per_device(tiny_result):
     assert len(two_replicas) == 2 and all(r["weights"] == single["weights"] for r in two_replicas.values())
 
 
+@pytest.mark.slow  # the four-device worker's result (its first use runs it)
 def test_tiny_data_parallel_routes_to_the_replica_holding_the_adapter(tiny_result):
     for run in ("tp1_dp2", "tp2_dp2"):
         routing = tiny_result[run]["routing"]
@@ -136,6 +143,7 @@ def test_tiny_data_parallel_routes_to_the_replica_holding_the_adapter(tiny_resul
             assert chosen == holder
 
 
+@pytest.mark.slow  # the four-device worker's result (its first use runs it)
 def test_tiny_bad_parallel_sizes_are_refused(tiny_result):
     assert "does not divide the model's 4 attention heads" in tiny_result["error_tp3_dp1"]
     assert "[1, 2, 4]" in tiny_result["error_tp3_dp1"]
@@ -178,6 +186,7 @@ def test_two_processes_with_jax_distributed_match_one(tiny_dir, tiny_adapters, t
         assert r["compiles_after_warmup"] == 0
 
 
+@pytest.mark.slow  # a TP 2 x DP 2 engine and its server in a worker process
 def test_openai_server_over_tensor_and_data_parallel_engines(tiny_dir, tiny_adapters):
     """The server over TP 2 x DP 2, live on 127.0.0.1: 16 concurrent openai-client completions with
     four adapters and the base model give the offline engine's text, and both replicas hold adapters."""
@@ -303,6 +312,7 @@ SHARDED_PARAMS = ("layers.qkv_proj", "layers.o_proj", "layers.gate_up_proj", "la
                   "lm_head", "layers.qkv_proj_scale", "layers.gate_up_proj_scale", "lm_head_scale")
 
 
+@pytest.mark.slow  # the four-device worker's result (its first use runs it)
 @pytest.mark.parametrize("run", ["tp2_None", "tp4_None", "tp2_int8", "tp4_int8"])
 def test_streaming_sends_each_device_only_its_shard(tiny_result, run):
     tp = int(run[2])
@@ -323,6 +333,7 @@ def test_streaming_sends_each_device_only_its_shard(tiny_result, run):
     assert got["model_bytes"] / tp < held[0] < got["model_bytes"] / tp * 1.2
 
 
+@pytest.mark.slow  # the four-device worker's result (its first use runs it)
 @pytest.mark.parametrize("run", ["tp2_dp1", "tp4_dp1"])
 def test_one_engine_uses_the_arrays_streamed_onto_its_mesh(tiny_result, run):
     assert tiny_result[run]["preplaced"] == [True]

@@ -279,6 +279,7 @@ def small(tiny_dir):
     return engines, ref
 
 
+@pytest.mark.slow  # three engines (`small`) and randomized workloads against the reference, ~20 s a case
 @pytest.mark.parametrize("seed", range(ROUNDS))
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_randomized_shared_prefixes_equal_cache_off_and_reference(small, tiny_adapters, mode, seed, monkeypatch):
@@ -323,6 +324,7 @@ def test_randomized_shared_prefixes_equal_cache_off_and_reference(small, tiny_ad
 # ---- data parallel --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two more engines, ~30 s of CPU
 def test_data_parallel_routes_to_the_replica_holding_the_prefix(on, tiny_adapters):
     """Two replicas (both on the one CPU device: routing is host logic): a request follows the
     replica that holds its prompt's prefix under its adapter, unless that one is a batch busier."""
@@ -356,6 +358,7 @@ def test_data_parallel_routes_to_the_replica_holding_the_prefix(on, tiny_adapter
 # ---- families ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a checkpoint and two engines per family
 @pytest.mark.parametrize("name", ["mistral", "qwen2"])
 def test_sliding_window_families_hit_and_keep_outputs(name, tmp_path):
     """Prefixes longer than the window (24 on every layer; 20 on Qwen2's second): cached blocks
@@ -374,6 +377,7 @@ def test_sliding_window_families_hit_and_keep_outputs(name, tmp_path):
     same_outputs(got, want)
 
 
+@pytest.mark.slow  # two engines with the interpreted attention kernel in every graph, ~35 s
 def test_prefix_hits_through_the_pallas_kernel_change_nothing(tiny_dir):
     """The TPU attention kernel (interpreted here, float32) reading cached prefix blocks: a request
     whose first 48 tokens are cached starts its queries mid-sequence, at another page and chunk,
@@ -401,6 +405,7 @@ def test_token_agreement_counts_requests_and_first_differences():
                                      "first_difference_min": None}
 
 
+@pytest.mark.slow  # a checkpoint and the bench's two engines
 def test_bench_prefix_runs_on_a_small_checkpoint(tmp_path, capsys):
     """As on a TPU machine: no model hub, a random checkpoint written by the bench (word-level
     tokenizer), results in --out."""
@@ -437,6 +442,7 @@ def test_no_enable_prefix_caching_flag_reaches_llm_from_generate_and_serve(cli_l
         assert serve(flags)["enable_prefix_caching"] is want
 
 
+@pytest.mark.slow  # an engine with a KV cache of its own shape, ~30 s of CPU
 def test_eviction_is_least_recently_used_and_loses_nothing(tiny_dir, off):
     """9 blocks of 16. A 33-token prompt leaves 2 cached blocks; a 97-token one needs 7 blocks,
     so it evicts the least recently used cached prefix and keeps the one used since."""
@@ -486,6 +492,7 @@ def test_a_lost_kv_cache_forgets_every_cached_prefix(on, off, monkeypatch):
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == want
 
 
+@pytest.mark.slow  # the three engines of `small`
 def test_async_drain_that_loses_the_cache_forgets_cached_prefixes(small, monkeypatch):
     """Async scheduling: a step launched ahead that fails after its sequences finished (drained)
     and takes the KV cache with it must take the cached prefixes too."""

@@ -3,6 +3,7 @@
 import dataclasses
 import gc
 import inspect
+import shutil
 import subprocess
 import sys
 import weakref
@@ -203,6 +204,7 @@ def test_building_the_model_compiles_only_the_loaders_graphs():
     np.testing.assert_array_equal(np.asarray(model.embed_tokens.get_value()), t["model.embed_tokens.weight"])
 
 
+@pytest.mark.slow  # three engines, one warmed up without the compile cache, ~20 s
 def test_start_says_what_it_is_doing(tiny_dir, tmp_path, capsys):
     """One line each: where the weights come from (hit or miss), the graphs about to compile and what
     the compile cache holds, then the bar; nothing with progress=False."""
@@ -282,6 +284,7 @@ def test_compile_count_can_leave_out_a_stage():
     assert compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,)) == before_fg
 
 
+@pytest.mark.slow  # seven step graphs compiled without the compile cache, ~25 s
 def test_background_warmup_serves_from_the_first_graphs_then_all(tiny_dir, tiny_adapters, monkeypatch,
                                                                  no_compile_cache):
     """Held back, the background warm-up has compiled nothing: requests (a burst of short prompts,
@@ -385,7 +388,7 @@ def test_warmup_flag_of_generate_and_serve():
 _STORE_CHILD = """
 import json, sys
 from pathlib import Path
-from jlora import LLM, LoRARequest, SamplingParams
+from jlora import LLM, LoRARequest, SamplingParams, compile_stats
 from jlora.engine.runner import wait_for_stored_executables
 path, xla, store, engine, opts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), json.loads(sys.argv[5])
 if opts.get("damage"):
@@ -404,28 +407,45 @@ out = llm.generate(["The sea is", "One two three"], SamplingParams(temperature=0
 wait_for_stored_executables()
 print("RESULT", json.dumps(dict(tokens=[o.outputs[0].token_ids for o in out],
                                 used=sorted(map(str, runner._executables)), loaded=sorted(map(str, runner.loaded_graphs)),
-                                **llm.executable_store.stats)))
+                                cache_hits=compile_stats.cache_hit_count(), **llm.executable_store.stats)))
 """
 
 
-def _start_in_a_fresh_process(path, tmp_path, **opts) -> dict:
+def _start_in_a_fresh_process(path, tmp_path, xla=None, **opts) -> dict:
+    """The child's result; its compile cache in `xla` (default tmp_path / "xla"), its store in tmp_path."""
     import json
 
-    out = subprocess.run([sys.executable, "-c", _STORE_CHILD, str(path), str(tmp_path / "xla"),
+    out = subprocess.run([sys.executable, "-c", _STORE_CHILD, str(path), str(xla or tmp_path / "xla"),
                           str(tmp_path / "executables"), json.dumps(SMALL), json.dumps(opts)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.split("RESULT", 1)[1])
 
 
-def test_stored_executables_skip_tracing_and_give_the_same_tokens(tiny_dir, tiny_adapters, tmp_path):
+@pytest.fixture(scope="module")
+def first_start(tiny_dir, tiny_adapters, tmp_path_factory):
+    """One first start in a fresh process (empty compile cache, empty executable store, an adapter in
+    the batch), shared by the tests that start again from what it left: each copies its caches."""
+    root = tmp_path_factory.mktemp("first_start")
+    return root, _start_in_a_fresh_process(tiny_dir[0], root, adapter=str(tiny_adapters[1]))
+
+
+def _after_first_start(first_start, tmp_path) -> dict:
+    """The first start's executable store copied into tmp_path (the store's key holds no path)."""
+    root, first = first_start
+    shutil.copytree(root / "executables", tmp_path / "executables")
+    return first
+
+
+@pytest.mark.slow  # two fresh processes that start an engine (one shared), ~25 s
+def test_stored_executables_skip_tracing_and_give_the_same_tokens(tiny_dir, tiny_adapters, tmp_path, first_start):
     """A second start of the same engine (fresh processes, the same caches) takes every step graph it
     needs from the store: no step graph traced (its lowering fails if called), none stored again,
     the same tokens."""
     from jlora import LLM
 
     path, _ = tiny_dir
-    first = _start_in_a_fresh_process(path, tmp_path, adapter=str(tiny_adapters[1]))
+    first = _after_first_start(first_start, tmp_path)
     assert first["writes"] == len(first["used"]) > 0 and first["hits"] == 0
     second = _start_in_a_fresh_process(path, tmp_path, adapter=str(tiny_adapters[1]), no_trace=True)
     assert second["loaded"] == second["used"] == first["used"]  # every graph the run needed, from the store
@@ -486,16 +506,17 @@ def test_executable_cache_option_resolution_and_bad_values(tmp_path):
         LLM(executable_cache=3)
 
 
-def test_a_damaged_or_mismatched_stored_executable_is_a_miss(tiny_dir, tmp_path):
+@pytest.mark.slow  # two fresh processes that start an engine (one shared), ~20 s
+def test_a_damaged_or_mismatched_stored_executable_is_a_miss(tiny_dir, tiny_adapters, tmp_path, first_start):
     """A truncated file is a miss (a warning, counted as an error) and the graph compiles; a stored
     graph whose arguments are not the runner's is not installed (`executables.matches`)."""
     from jlora import LLM, SamplingParams
     from jlora.engine import executables
 
     path, _ = tiny_dir
-    first = _start_in_a_fresh_process(path, tmp_path)
+    first = _after_first_start(first_start, tmp_path)
     assert first["writes"] > 0
-    damaged = _start_in_a_fresh_process(path, tmp_path, damage=True)
+    damaged = _start_in_a_fresh_process(path, tmp_path, adapter=str(tiny_adapters[1]), damage=True)
     assert damaged["tokens"] == first["tokens"]
     assert damaged["errors"] == 1 and damaged["hits"] == len(first["used"]) - 1
     assert len(damaged["loaded"]) == len(first["used"]) - 1
@@ -528,38 +549,23 @@ def test_backend_start_runs_beside_the_imports():
     assert took > 0 and out.stdout.split()[-1] == "cpu"
 
 
-def test_a_compile_cache_load_is_not_stored(tiny_dir, tmp_path):
+@pytest.mark.slow  # two fresh processes that start an engine (one shared), ~15 s
+def test_a_compile_cache_load_is_not_stored(tiny_dir, tiny_adapters, tmp_path, first_start):
     """XLA:CPU re-serializes an executable loaded from the persistent compile cache without its
     kernels ("Function wrapped_iota not found" when it runs), so only graphs compiled in this
     process are stored. Fresh processes: JAX keeps the first compile cache directory it opened."""
-    import json
-
     path, _ = tiny_dir
-    code = (
-        "import json, sys, jax\n"
-        "from jlora import LLM, SamplingParams, compile_stats\n"
-        "from jlora.engine.runner import wait_for_stored_executables\n"
-        "llm = LLM(sys.argv[1], warmup=False, progress=False, compilation_cache_dir=sys.argv[2],\n"
-        "          executable_cache=sys.argv[3], **json.loads(sys.argv[4]))\n"
-        "out = llm.generate(['The sea is'], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))\n"
-        "wait_for_stored_executables()\n"
-        "print('RESULT', json.dumps(dict(tokens=out[0].outputs[0].token_ids, hits=compile_stats.cache_hit_count(),\n"
-        "                                writes=llm.executable_store.stats['writes'])))\n")
-
-    def start(store: str) -> dict:
-        out = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "xla"), str(tmp_path / store),
-                              json.dumps(SMALL)], capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.split("RESULT", 1)[1])
-
-    fresh = start("a")
-    assert fresh["writes"] > 0 and fresh["hits"] == 0
-    loaded = start("b")  # the same compile cache, an empty store
-    assert loaded["hits"] > 0  # its graphs came from the compile cache...
+    root, fresh = first_start
+    assert fresh["writes"] > 0 and fresh["cache_hits"] == 0
+    # The first start's compile cache where it was (a copy under another path missed every step
+    # graph), and an empty store.
+    loaded = _start_in_a_fresh_process(path, tmp_path, xla=root / "xla", adapter=str(tiny_adapters[1]))
+    assert loaded["cache_hits"] > 0  # its graphs came from the compile cache...
     assert loaded["writes"] == 0  # ...so none was stored
     assert loaded["tokens"] == fresh["tokens"]
 
 
+@pytest.mark.slow  # two engines that compile every graph, ~35 s
 def test_stored_executables_are_read_beside_the_weights_on_the_cpu_too(tiny_dir, tmp_path, monkeypatch,
                                                                        empty_compile_cache):
     """An eager start from stored executables starts reading them before the weights load, on XLA:CPU

@@ -39,6 +39,7 @@ def test_engine_config_rejects_other_things_as_tuning():
         EngineConfig(tuning={"lora_cond": "pass"})  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # two engines that compile without the compile cache, ~30 s
 def test_a_second_engine_with_other_options_builds_its_own_graph(tiny_dir):
     """Not a module global read at trace time: an engine made after another, in the same process,
     with other options, traces them (its step graph differs), its store key differs, and both serve
