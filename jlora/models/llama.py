@@ -23,7 +23,6 @@ softmax), so no graph is keyed by span.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from functools import partial
 from typing import Any, Callable
@@ -134,7 +133,7 @@ def lora_linear(
         layer = None
 
     def with_delta(y: jax.Array) -> jax.Array:
-        out, first, doras = y, 0, []
+        out, first, factor = y, 0, None
         for pool in pools:  # slots numbered across the pools in order; a pool reads its own ids only
             a, b = pool["A"], pool["B"]
             if layer is not None:  # sliced here, inside the cond: a step without adapters never reads the slots
@@ -149,22 +148,13 @@ def lora_linear(
             out = out + lora_delta(x, a, b, ids, impl=lora_impl, splits=splits, scale=scale, mix=m).astype(y.dtype)
             if "M" in pool:  # DoRA: this pool's rows scale base + delta by 1 + M[slot] (jlora.adapters.dora);
                 # scaled and combined requests never name a DoRA adapter (refused when added)
-                doras.append((pool["M"] if layer is None else
-                              jax.lax.dynamic_index_in_dim(pool["M"], layer, 0, keepdims=False), ids))  # [N, out]
+                mag = pool["M"] if layer is None else jax.lax.dynamic_index_in_dim(pool["M"], layer, 0, keepdims=False)
+                f = jnp.where((ids >= 0)[:, None], jnp.take(mag, jnp.maximum(ids, 0), axis=0), 0.0)  # [T, out]
+                factor = f if factor is None else factor + f
             first += n
-        if not doras:
+        if factor is None:
             return out
-
-        def factored(out: jax.Array) -> jax.Array:
-            factor = sum(jnp.where((ids >= 0)[:, None], jnp.take(mag, jnp.maximum(ids, 0), axis=0), 0.0)
-                         for mag, ids in doras)  # [T, out]
-            return (out.astype(jnp.float32) * (1.0 + factor)).astype(y.dtype)
-
-        # Only a step with a row on a DoRA slot (one whose M is not all 0) pays for the factor: a
-        # float32 [T, out] gather and multiply per projection, as large as the projection's output.
-        used = functools.reduce(jnp.logical_or, (
-            jnp.any((ids >= 0) & jnp.take(jnp.any(mag != 0, axis=-1), jnp.maximum(ids, 0))) for mag, ids in doras))
-        return jax.lax.cond(used, factored, lambda out: out, out)
+        return (out.astype(jnp.float32) * (1.0 + factor)).astype(y.dtype)
 
     if enabled is not None and cond == "inside":
         return jax.lax.cond(enabled, lambda: with_delta(quant.linear(x, weight())), lambda: quant.linear(x, weight()))
