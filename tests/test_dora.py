@@ -23,6 +23,7 @@ from jlora import LLM, LoRARequest, SamplingParams, compile_stats
 from jlora.adapters import padded_update, read_peft_adapter, set_slot
 from jlora.adapters.dora import dora_factor
 from jlora.models import build_model, init_cache, init_lora_state, quant, read_hf_checkpoint
+from adapter_edits import edited_adapter
 
 MAX_RANK = 8
 ADAPTERS = {
@@ -178,25 +179,14 @@ def test_engine_greedy_matches_peft_with_churn_and_no_recompiles(tiny_dir, dora,
 
 def test_bad_dora_adapters_are_refused_and_the_engine_keeps_serving(tiny_dir, dora, tmp_path):
     import json
-    import shutil
 
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import load_file
 
     root, paths, _ = dora
     cfg, _ = read_hf_checkpoint(tiny_dir[0])
 
     def variant(name: str, edit_tensors=None, edit_config=None):
-        d = tmp_path / name
-        shutil.copytree(paths["dora_all"], d)
-        t = load_file(str(d / "adapter_model.safetensors"))
-        c = json.loads((d / "adapter_config.json").read_text())
-        if edit_tensors:
-            edit_tensors(t)
-        if edit_config:
-            edit_config(c)
-        save_file(t, str(d / "adapter_model.safetensors"))
-        (d / "adapter_config.json").write_text(json.dumps(c))
-        return d
+        return edited_adapter(paths["dora_all"], tmp_path / name, edit_tensors, edit_config)
 
     key = next(k for k in load_file(str(paths["dora_all"] / "adapter_model.safetensors")) if "magnitude" in k)
     cases = {

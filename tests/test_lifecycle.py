@@ -3,6 +3,7 @@ collector (also once a server app has served it and stopped), `close()` / `with`
 interpreter exit during a background warm-up waits long or reports a failure."""
 
 import asyncio
+import contextlib
 import gc
 import subprocess
 import sys
@@ -24,6 +25,20 @@ ENGINE = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, max_
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
+@contextlib.contextmanager
+def collector_off():
+    """The cyclic garbage collector off (after one collection) for the block: what it frees then,
+    reference counting alone freed."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 @pytest.fixture
 def no_compile_cache():
     """The persistent compile cache off: a background warm-up's cache loads beside other XLA work
@@ -37,10 +52,7 @@ def no_compile_cache():
 def test_a_dropped_llm_frees_its_memory_maps_without_the_cyclic_collector(tiny_dir):
     """No reference cycle holds an engine: with the collector off, `del llm` frees its runner, its
     weights and KV cache, and its compiled graphs' code (most of its memory maps) at once."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         before = memory_maps()
         llm = LLM(str(tiny_dir[0]), progress=False, **ENGINE)
         llm.generate(["Hello there"], GREEDY, use_tqdm=False)
@@ -50,9 +62,6 @@ def test_a_dropped_llm_frees_its_memory_maps_without_the_cyclic_collector(tiny_d
         del llm, runner
         kept = memory_maps() - before
         alive = [r() for r in held if r() is not None]
-    finally:
-        if was_enabled:
-            gc.enable()
     assert not alive, f"{len(alive)} of the engine's objects and arrays outlived it: {[type(x) for x in alive][:5]}"
     assert added > 0 and kept <= 0.25 * added, f"{kept} of the {added} memory maps the engine added were kept"
 
@@ -170,16 +179,10 @@ def test_flax_state_flattening_leaves_no_reference_cycle():
     assert flax_cycles.flatten_to_sequence(xs, is_leaf=lambda path, x: path == ("c",)) == [
         (("foo",), 1), (("bar", "a"), 2), (("c",), {"d": {"e": 3}})]
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         copy = nnx.merge(*nnx.split(model))
         nnx.update(copy, nnx.from_flat_state(nnx.to_flat_state(nnx.state(model, nnx.Param))))
         assert gc.collect() == 0
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _threads(prefix: str, ignore: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
@@ -253,10 +256,7 @@ def test_a_served_and_dropped_app_frees_its_llm_without_the_cyclic_collector(tin
     from live import KEY, serve_live
     from jlora.server.app import build_app
 
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         before = memory_maps()
         llm = LLM(str(tiny_dir[0]), progress=False, **ENGINE)
         app = build_app(llm, "tiny", lora_modules={"a1": str(tiny_adapters[1])}, api_key=KEY)
@@ -292,9 +292,6 @@ def test_a_served_and_dropped_app_frees_its_llm_without_the_cyclic_collector(tin
         kept = memory_maps() - before
         alive = held() is not None
         holders = _holders(held()) if alive else []
-    finally:
-        if was_enabled:
-            gc.enable()
     assert not alive, f"the LLM outlived its app, held by {' <- '.join(holders)}"
     assert added > 0 and kept <= 0.25 * added, f"{kept} of the {added} memory maps the LLM and app added were kept"
 
@@ -318,16 +315,10 @@ def test_naming_the_culprit_of_a_failed_step_leaves_no_reference_cycle():
             return culprit_requests(e.__traceback__)
         return ["unreached"]
 
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         engine = Engine()
         held = weakref.ref(engine)
         assert turn(engine) == []
         del engine
         alive = held() is not None
-    finally:
-        if was_enabled:
-            gc.enable()
     assert not alive, "the caught failure's traceback kept the caller's frame and its engine"

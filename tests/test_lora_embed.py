@@ -11,7 +11,6 @@ where several adapters share one PeftModel.
 from __future__ import annotations
 
 import functools
-import json
 import shutil
 
 import jax
@@ -26,6 +25,7 @@ from jlora import LLM, LoRARequest, SamplingParams, compile_stats
 from jlora.adapters import padded_update, read_peft_adapter, set_slot
 from jlora.models import build_model, init_cache, init_lora_state, read_hf_checkpoint
 from jlora.models.config import LORA_MODULES, VOCAB_MODULES
+from adapter_edits import edited_adapter
 
 MAX_RANK = 8
 ADAPTERS = {
@@ -303,23 +303,11 @@ def test_prompt_logprobs_read_the_head_adapter(untied, llm):
 
 
 def test_bad_input_is_refused_and_the_engine_keeps_serving(untied, llm, tmp_path):
-    from safetensors.numpy import load_file, save_file
-
     base, paths = untied
     cfg, _ = read_hf_checkpoint(base)
 
     def variant(name, edit_tensors=None, edit_config=None, src="both"):
-        d = tmp_path / name
-        shutil.copytree(paths[src], d)
-        t = load_file(str(d / "adapter_model.safetensors"))
-        c = json.loads((d / "adapter_config.json").read_text())
-        if edit_tensors:
-            edit_tensors(t)
-        if edit_config:
-            edit_config(c)
-        save_file(t, str(d / "adapter_model.safetensors"))
-        (d / "adapter_config.json").write_text(json.dumps(c))
-        return d
+        return edited_adapter(paths[src], tmp_path / name, edit_tensors, edit_config)
 
     ea = "base_model.model.model.embed_tokens.lora_embedding_A"
     hb = "base_model.model.lm_head.lora_B.weight"

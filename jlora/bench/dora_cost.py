@@ -14,12 +14,12 @@ memory than `jlora bench decode-step --dora-packages jlora` (three engines side 
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+
+from jlora.bench.timing import decode_inputs, interleaved_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
     from jlora.adapters.manager import LoRASlots, SlotWrite
     from jlora.bench.lora_cost import write_adapters
     from jlora.models.config import PACKED_MODULES
-    from jlora.models.llama import AttnGroup, init_cache
     from jlora.models.loading import load_model
 
     model = load_model(None)[0]
@@ -68,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     states["no_M"] = {m: {k: v for k, v in s.items() if k != "M"} for m, s in states["plain"].items()}
     t = 16
     graphdef, params = nnx.split(model)
-    cache = init_cache(cfg, 64, 16)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, t), jnp.int32)
-    group = AttnGroup(jnp.full((t, 1), 48, jnp.int32), jnp.asarray(np.arange(t * 4).reshape(t, 4) % 64, jnp.int32))
-    slot_ids = jnp.asarray([i % 4 for i in range(t)], jnp.int32)
+    cache, tokens, group, slot_ids = decode_inputs(cfg, t)
 
     @jax.jit
     def step(params, state, cache):
@@ -83,14 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     print("finite:", {k: bool(jnp.isfinite(v).all()) for k, v in outs.items()},
           "| plain == no_M logits bit-equal:", bool(jnp.array_equal(outs["plain"], outs["no_M"])),
           "| dora moves logits by up to", float(jnp.abs(outs["dora"] - outs["plain"]).max()))
-    times: dict[str, list[float]] = {k: [] for k in states}
-    for _ in range(reps):
-        for k, s in states.items():
-            start = time.perf_counter()
-            step(params, s, cache).block_until_ready()
-            times[k].append(time.perf_counter() - start)
-    for name, stat in (("median", statistics.median), ("min", min)):
-        ms = {k: stat(v) * 1e3 for k, v in times.items()}
+    stats = interleaved_ms({k: (lambda s=s: step(params, s, cache)) for k, s in states.items()}, reps)
+    for name, ms in stats.items():
         print(f"{name} ms:", {k: round(v, 1) for k, v in ms.items()}, "plain / no_M:",
               round(ms["plain"] / ms["no_M"], 4), "dora / plain:", round(ms["dora"] / ms["plain"], 4))
     print("reps:", reps, "jax", jax.__version__)

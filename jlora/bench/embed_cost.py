@@ -23,10 +23,11 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+
+from jlora.bench.timing import decode_inputs, interleaved_ms
 
 
 def add_vocab_lora(path: Path, dst: Path, cfg, rng: np.random.Generator) -> Path:
@@ -113,7 +114,6 @@ def step_cost(reps: int) -> int:
     from jlora.adapters.manager import LoRASlots, SlotWrite
     from jlora.bench.lora_cost import write_adapters
     from jlora.models.config import LORA_MODULES, VOCAB_MODULES
-    from jlora.models.llama import AttnGroup, init_cache
     from jlora.models.loading import load_model
 
     model = load_model(None)[0]
@@ -127,10 +127,7 @@ def step_cost(reps: int) -> int:
         states[name] = slots.state
     t = 16
     graphdef, params = nnx.split(model)
-    cache = init_cache(cfg, 64, 16)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, t), jnp.int32)
-    group = AttnGroup(jnp.full((t, 1), 48, jnp.int32), jnp.asarray(np.arange(t * 4).reshape(t, 4) % 64, jnp.int32))
-    slot_ids = jnp.asarray([i % 4 for i in range(t)], jnp.int32)
+    cache, tokens, group, slot_ids = decode_inputs(cfg, t)
     scale, mix, no = jnp.ones((t,), jnp.float32), jnp.zeros((t, 4), jnp.float32), jnp.asarray(False)
 
     @jax.jit
@@ -141,14 +138,8 @@ def step_cost(reps: int) -> int:
 
     outs = {k: step(params, s, cache).block_until_ready() for k, s in states.items()}
     print("logits bit-equal with and without the embedding / head slots:", bool(jnp.array_equal(*outs.values())))
-    times: dict[str, list[float]] = {k: [] for k in states}
-    for _ in range(reps):
-        for k, s in states.items():
-            start = time.perf_counter()
-            step(params, s, cache).block_until_ready()
-            times[k].append(time.perf_counter() - start)
-    for name, stat in (("median", statistics.median), ("min", min)):
-        ms = {k: stat(v) * 1e3 for k, v in times.items()}
+    stats = interleaved_ms({k: (lambda s=s: step(params, s, cache)) for k, s in states.items()}, reps)
+    for name, ms in stats.items():
         print(f"{name} ms:", {k: round(v, 1) for k, v in ms.items()}, "on / off:", round(ms["on"] / ms["off"], 4))
     print("reps:", reps, "jax", jax.__version__)
     return 0
