@@ -117,13 +117,25 @@ def coverage_phases(config: Any, vocab: int, n_adapters: int, new_tokens: int = 
     return phases
 
 
+def _save_adapter(out: Path, tensors: dict[str, np.ndarray], spec: dict[str, Any]) -> None:
+    """A PEFT adapter directory, each file written whole and then renamed into place: a reference
+    process may be reading the same adapter while a check plans (and so writes) it again."""
+    from safetensors.numpy import save_file
+
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "SmolLM2-135M-Instruct",
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, **spec}
+    tmp = out / f".tmp-{os.getpid()}"
+    save_file(tensors, str(tmp))
+    os.replace(tmp, out / "adapter_model.safetensors")
+    tmp.write_text(json.dumps(config, indent=1))
+    os.replace(tmp, out / "adapter_config.json")
+
+
 def write_check_adapters(model_cfg: Any, root: Path, seed: int = 0) -> list[Path]:
     """Five PEFT adapters of the kinds peft users train (rsLoRA, rank and alpha patterns, regex
     targets, layers_to_transform, q/v only), made with NumPy from `seed` (the same bytes on every
     machine, so a reference computed on one holds on another). A ~ U(+-1/sqrt(in)) as peft's
     default init, B ~ N(0, 0.05): each visibly changes the output."""
-    from safetensors.numpy import save_file
-
     c = model_cfg
     d, f, h, kvh, dh = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     dims = {"q_proj": ("self_attn", d, h * dh), "k_proj": ("self_attn", d, kvh * dh),
@@ -158,10 +170,7 @@ def write_check_adapters(model_cfg: Any, root: Path, seed: int = 0) -> list[Path
                 bound = 1.0 / np.sqrt(din)
                 tensors[p + "lora_A.weight"] = rng.uniform(-bound, bound, (r, din)).astype(np.float32)
                 tensors[p + "lora_B.weight"] = (rng.standard_normal((dout, r)) * 0.05).astype(np.float32)
-        save_file(tensors, str(out / "adapter_model.safetensors"))
-        (out / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "SmolLM2-135M-Instruct",
-            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, **spec}, indent=1))
+        _save_adapter(out, tensors, spec)
         paths.append(out)
     return paths
 
@@ -171,8 +180,6 @@ def write_dora_adapter(model_cfg: Any, root: Path, seed: int = 0) -> Path:
     """A PEFT DoRA adapter (use_dora, q/v, rank 8), made with NumPy from `seed` like
     `write_check_adapters`'s: `lora_magnitude_vector` ~ U(0.5, 2.0) per output column, so the
     factor m / ||W + s B A|| moves every column by a different amount."""
-    from safetensors.numpy import save_file
-
     c = model_cfg
     d, h, kvh, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     rng = np.random.default_rng(seed * 1000 + 77)
@@ -186,11 +193,7 @@ def write_dora_adapter(model_cfg: Any, root: Path, seed: int = 0) -> Path:
             tensors[p + "lora_A.weight"] = rng.uniform(-bound, bound, (8, d)).astype(np.float32)
             tensors[p + "lora_B.weight"] = (rng.standard_normal((dout, 8)) * 0.05).astype(np.float32)
             tensors[p + "lora_magnitude_vector"] = rng.uniform(0.5, 2.0, dout).astype(np.float32)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "SmolLM2-135M-Instruct",
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "r": 8, "lora_alpha": 16,
-        "target_modules": ["q_proj", "v_proj"], "use_dora": True}, indent=1))
+    _save_adapter(out, tensors, dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], use_dora=True))
     return out
 
 
