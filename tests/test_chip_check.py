@@ -261,3 +261,33 @@ def test_chip_check_runs_an_int8_kv_case_against_its_int8_reference(tmp_path):
     assert res["passed"], case
     assert case["kv_cache_dtype"] == "int8" and case["rows_equal"] == case["rows"] > 20
     assert case["teacher_forced_logprob_max_diff"] < 1e-4 and case["graphs_not_run"] == []
+
+
+def _one_row_results(ref_tokens: list[int], got_tokens: list[int], margin_at: dict[int, float]) -> tuple[dict, dict]:
+    """run_case-shaped results of one phase with one row; `margin_at[j]`: the reference's top-two
+    margin at position j (1.0 elsewhere)."""
+    def dist(t: int, j: int) -> dict[int, float]:
+        other = 1 if t != 1 else 2
+        return {t: -0.1, other: -0.1 - margin_at.get(j, 1.0)}
+
+    forced = [[dist(t, j) for j, t in enumerate(ref_tokens)]]
+    ref = dict(greedy=[dict(name="decode", tokens=[ref_tokens], logprobs=forced)], forced=[forced])
+    got = dict(greedy=[dict(name="decode", tokens=[got_tokens], logprobs=forced)], forced=[forced],
+               graphs_compiled=["g"], graphs_run={"g": 1})
+    return ref, got
+
+
+def test_a_repeat_after_a_near_tie_is_reported_and_a_collapse_elsewhere_fails():
+    target = chip_check.TARGETS["bfloat16"]
+    ref_tokens = [5, 6, 7, 8, 9, 10, 11, 12]
+    looping = [5, 6, 40, 40, 40, 40, 40, 40]
+    # The row leaves the reference at position 2, where the reference's two best are 0.1 apart.
+    ref, got = _one_row_results(ref_tokens, looping, {2: 0.1})
+    v = chip_check.compare(ref, got, target)
+    assert v["passed"] and v["collapsed"] == [] and v["rows_near_tie"] == 1
+    assert v["repeats_after_near_tie"] == ["decode row 0: (40, 6)"]
+    # The same row leaving it where the reference was sure (margin 1.0): collapsed, failed.
+    ref, got = _one_row_results(ref_tokens, looping, {})
+    v = chip_check.compare(ref, got, target)
+    assert not v["passed"] and v["collapsed"] == ["decode row 0: (40, 6)"] and v["rows_diverged"] == 1
+    assert "collapsed 1" in chip_check.summary_line(v)

@@ -16,7 +16,8 @@ without this. For each case (an engine configuration) it
      near-ties (a row may diverge only where the reference's top two are within `tie_margin`),
      teacher-forced log-probabilities of the reference's tokens within `logprob_tol`, teacher-forced
      top-1 agreement (a near-tie as both engines see it counts as agreeing), no collapsed row (one
-     id for most of a row whose reference is not so), and every compiled step graph run by some phase.
+     id for most of a row whose reference is not so, unless the row left the reference at a near-tie:
+     then it is reported as a repeat), and every compiled step graph run by some phase.
 
 A case passes when all of that holds for its dtype's targets (`TARGETS`). With `--model` (the
 default model's GGUF) the SmolLM2 cases also hold a 10-row mixed batch of chat prompts under five
@@ -307,11 +308,13 @@ def compare(ref: dict[str, Any], got: dict[str, Any], target: dict[str, float]) 
     rows = equal = near_tie = 0
     diverged: list[dict[str, Any]] = []
     collapses: list[str] = []
+    after_near_tie: list[str] = []  # the model's own loop after a near-tie, as the reference would loop there too
     greedy_diff = forced_diff = 0.0
     agree = positions = 0
     for ph_ref, ph_got, forced_ref, forced_got in zip(ref["greedy"], got["greedy"], ref["forced"], got["forced"]):
         for i, (rt, gt) in enumerate(zip(ph_ref["tokens"], ph_got["tokens"])):
             rows += 1
+            tie = False
             first = next((j for j, (a, b) in enumerate(zip(rt, gt)) if a != b), None)
             if first is None and len(rt) == len(gt):
                 equal += 1
@@ -320,6 +323,7 @@ def compare(ref: dict[str, Any], got: dict[str, Any], target: dict[str, float]) 
                 margin = _top(forced_ref[i][first])[2] if first < len(forced_ref[i]) else float("inf")
                 if margin <= target["tie_margin"]:
                     near_tie += 1
+                    tie = True
                 else:
                     diverged.append(dict(phase=ph_ref["name"], row=i, position=first, ref_margin=margin,
                                          ref=rt[first: first + 4], got=gt[first: first + 4]))
@@ -328,7 +332,10 @@ def compare(ref: dict[str, Any], got: dict[str, Any], target: dict[str, float]) 
                 t = rt[j]
                 greedy_diff = max(greedy_diff, abs(ph_ref["logprobs"][i][j][t] - ph_got["logprobs"][i][j][t]))
             if collapsed(gt) and not collapsed(rt):
-                collapses.append(f"{ph_ref['name']} row {i}: {Counter(gt).most_common(1)[0]}")
+                # A row that left the reference at a near-tie and then repeats itself is a small model looping
+                # on a prefix the reference never saw; teacher forcing holds its numbers. A row that left it
+                # anywhere else (a step emitting one id, as the broken decode step did) has collapsed.
+                (after_near_tie if tie else collapses).append(f"{ph_ref['name']} row {i}: {Counter(gt).most_common(1)[0]}")
             for j, (dr, dg) in enumerate(zip(forced_ref[i], forced_got[i])):
                 t = rt[j]
                 forced_diff = max(forced_diff, abs(dr[t] - dg[t]))
@@ -345,7 +352,8 @@ def compare(ref: dict[str, Any], got: dict[str, Any], target: dict[str, float]) 
     passed = (ok_tokens and not collapses and not missing and top1 >= target["top1"]
               and forced_diff <= target["logprob_tol"] and positions > 0)
     return dict(passed=bool(passed), rows=rows, rows_equal=equal, rows_near_tie=near_tie, rows_diverged=len(diverged),
-                diverged=diverged[:8], collapsed=collapses[:8], teacher_forced_top1=top1, positions=positions,
+                diverged=diverged[:8], collapsed=collapses[:8],
+                repeats_after_near_tie=after_near_tie[:8], teacher_forced_top1=top1, positions=positions,
                 teacher_forced_logprob_max_diff=forced_diff, greedy_logprob_max_diff=greedy_diff,
                 graphs_not_run=missing, graphs_run=got["graphs_run"], target=target)
 
@@ -738,8 +746,9 @@ def summary_line(v: dict[str, Any]) -> str:
     s = (f"{'PASSED' if v['passed'] else 'FAILED'}: {v['rows_equal']}/{v['rows']} rows equal, "
          f"{v['rows_near_tie']} near-tie, {v['rows_diverged']} diverged; teacher-forced top-1 "
          f"{v['teacher_forced_top1']:.2%} over {v['positions']}, |dlogprob| max {v['teacher_forced_logprob_max_diff']:.4f} "
-         f"(greedy {v['greedy_logprob_max_diff']:.4f}); collapsed {len(v['collapsed'])}; graphs not run "
-         f"{v['graphs_not_run']}")
+         f"(greedy {v['greedy_logprob_max_diff']:.4f}); collapsed {len(v['collapsed'])}"
+         + (f" (+{len(v['repeats_after_near_tie'])} repeating after a near-tie)" if v.get("repeats_after_near_tie") else "")
+         + f"; graphs not run {v['graphs_not_run']}")
     if "peft" in v:
         s += f"; transformers+peft batch {v['peft']['rows_equal']}/{v['peft']['rows']}"
     if "cpu_engine_batch" in v:
