@@ -35,7 +35,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jlora import compile_stats
-from jlora.adapters.manager import LoRASlots, SlotWrite
+from jlora.adapters.slots import LoRASlots, SlotWrite
 from jlora.engine import executables
 from jlora.engine.config import EngineConfig
 from jlora.engine.executables import ExecutableStore, graph_name
