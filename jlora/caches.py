@@ -1,7 +1,7 @@
 """Where jlora keeps what it caches on disk: one root, a folder per cache, a size cap each.
 
     $JLORA_CACHE_DIR (default ~/.cache/jlora)     the root, like HF_HOME
-        xla/           JAX's persistent compile cache (`jlora.llm.enable_compilation_cache`)
+        xla/           JAX's persistent compile cache (`jlora.engine.startup.enable_compilation_cache`)
         weights/       converted model weights (`jlora.models.weights_cache`)
         adapters/      converted LoRA adapters (`jlora.adapters.disk_cache`)
         executables/   serialized step graphs (`jlora.engine.executables`)

@@ -4,69 +4,29 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
-from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence as Seq
+from typing import Any, Iterator, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jlora import caches, compile_stats
+from jlora import compile_stats
 from jlora.adapters.request import LoRARequest
 from jlora.closing import Closable
-from jlora.engine import executables
+from jlora.engine import startup
+from jlora.engine.startup import (  # noqa: F401 (re-exported)
+    WARMUP_MODES, adapter_cache_dir, enable_compilation_cache, executable_cache_wanted, import_in_background,
+    open_executable_store, parallel_devices, resolve_warmup, start_backend, weights_cache_dir,
+)
 from jlora.engine_args import ENGINE_DEFAULTS, engine_config
 from jlora.outputs import RequestOutput
 from jlora.sampling import SamplingParams
 from jlora.tuning import TuningOptions
 
 # The engine, the model loader and the tokenizer (Flax, transformers: 2-5 s on a TPU host) are
-# imported inside LLM(), while the TPU runtime starts in a thread (`start_backend`).
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | None:
-    """Persistent XLA cache so a second start skips compilation: in `path`, else
-    `$JLORA_CACHE_DIR/xla` (`jlora.caches`). Capped by JAX's own LRU eviction
-    (`jax_compilation_cache_max_size`, from JLORA_CACHE_MAX_XLA_GB) unless that option was set
-    already. JAX's eviction needs an `-atime` file beside each entry: entries written without one
-    (eviction off: an older jlora, JAX alone) get it here; one such written while this process runs
-    makes JAX skip (with a warning) this process's later writes to the cache, until the next start. None (and a warning) when the folder is not the user's own (`caches.usable`): a cached
-    executable runs code when loaded, so the cache stays off."""
-    path = Path(path).expanduser() if path is not None else caches.cache_dir("xla")
-    if not caches.usable(path):
-        return None
-    caches.make_dir(path)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    cap = caches.max_bytes("xla")
-    # JAX's eviction locks the folder with `filelock` (a dependency of transformers' hub client). It
-    # is on even without a cap (JLORA_CACHE_MAX_XLA_GB=none: a cap no folder reaches), so that every
-    # jlora process writes the -atime file another one's eviction reads.
-    if jax.config.jax_compilation_cache_max_size == -1 and _has_filelock():
-        caches.prepare_xla_eviction(path)  # entries written with eviction off get their -atime file
-        jax.config.update("jax_compilation_cache_max_size", cap if cap is not None else 2**62)
-    return path
-
-
-def _has_filelock() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("filelock") is not None
-
-
-def weights_cache_dir() -> Path:
-    """Where converted weights are cached: `$JLORA_CACHE_DIR/weights` (or JLORA_WEIGHTS_CACHE_DIR)."""
-    return caches.cache_dir("weights")
-
-
-def adapter_cache_dir() -> Path:
-    """Where converted adapters are cached: `$JLORA_CACHE_DIR/adapters` (or JLORA_ADAPTER_CACHE_DIR)."""
-    return caches.cache_dir("adapters")
+# imported inside LLM(), while the TPU runtime starts in a thread (`start_backend`); the start-up's
+# steps are jlora.engine.startup's (re-exported here: `from jlora.llm import start_backend` works).
 
 
 class LLM(Closable):
@@ -169,28 +129,16 @@ class LLM(Closable):
         kv_cache_memory_fraction: float | None = ENGINE_DEFAULTS["kv_cache_memory_fraction"],
         kv_cache_dtype: str | None = ENGINE_DEFAULTS["kv_cache_dtype"],
     ):
-        t0 = time.perf_counter()
+        phases = startup.Phases()
         backend_started = start_backend()  # the TPU runtime's start overlaps the imports below
-        v = max_cpu_lora_bytes
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"max_cpu_lora_bytes must be None or an int >= 0, got {v!r}")
-        if not isinstance(adapter_cache, (bool, str, os.PathLike)):
-            raise ValueError(f"adapter_cache must be a bool or a directory, got {adapter_cache!r}")
-        if not isinstance(executable_cache, (bool, str, os.PathLike)) and executable_cache is not None:
-            raise ValueError(f"executable_cache must be None, a bool or a directory, got {executable_cache!r}")
-        caches.check_env()  # a malformed JLORA_CACHE_MAX_<NAME>_GB, named
-        from jlora.models import weights_cache as wc
-        from jlora.models.loading import load_model, read_model_config, resolve_model_path
+        startup.check_cache_args(max_cpu_lora_bytes, adapter_cache, executable_cache)
+        engine_imports = startup.start_imports()  # the engine's and tokenizer's, in a thread
+        phases.done("imports")
+        runtime_wait = backend_started()
+        phases.done("runtime")
+        phases.seconds["runtime_start"] = runtime_wait
         from jlora.models.quant import check_quantization
 
-        # The engine's and the tokenizer's modules (transformers among them) are imported in a thread
-        # while this one waits for the runtime and then streams the weights in: on a v5e host the
-        # runtime's start holds the GIL 4-5 s of its 7-8 s, and the weights' load is mostly copies and
-        # transfers, which leave it free (docs/tpu.md, "Where a warm start goes").
-        engine_imports = import_in_background(_ENGINE_MODULES)
-        t_imports = time.perf_counter()
-        runtime_wait = backend_started()
-        t_runtime = time.perf_counter()
         warmup = resolve_warmup(warmup)
         self.quantization = check_quantization(quantization)
         self.dtype = dtype
@@ -206,103 +154,44 @@ class LLM(Closable):
             num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching, backend=jax.default_backend(),
             tuning=TuningOptions() if tuning is None else tuning, kv_cache_memory_fraction=kv_cache_memory_fraction,
             kv_cache_dtype=kv_cache_dtype)
-        if kv_cache_memory_fraction is not None and num_kv_blocks is not None:
-            raise ValueError("give num_kv_blocks or kv_cache_memory_fraction, not both")
-        path = resolve_model_path(model)  # a missing model path fails here, before anything is read
-        if self.config.enable_embedding_lora and tensor_parallel_size != 1:
-            raise ValueError(f"enable_embedding_lora=True is not supported with tensor parallelism "
-                             f"(tensor_parallel_size={tensor_parallel_size}): the embedding / head LoRA slots are "
-                             f"not sharded")
+        path, device_groups = startup.resolve_model(model, self.config, num_kv_blocks, tensor_parallel_size,
+                                                    data_parallel_size)
         self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
-        device_groups = parallel_devices(path, tensor_parallel_size, data_parallel_size)
-        t_checked = time.perf_counter()
+        phases.done("validate")
         self.progress = progress
-        if use_compilation_cache:
-            enable_compilation_cache(compilation_cache_dir)
-        cache = None
-        if weights_cache and wc.cache_enabled():
-            cache = wc.open_cache(weights_cache_dir() if weights_cache is True else weights_cache)
-        # The step graphs compiled by an earlier start of this engine, read while the weights stream in.
-        model_cfg = read_model_config(path)
-        store = None
-        if executable_cache_wanted(executable_cache, use_compilation_cache, len(device_groups),
-                                   tensor_parallel_size):
-            store = open_executable_store(executable_cache, device_groups[0], model_cfg, dtype, self.quantization,
-                                          self.config)
-        # Read beside the weights' transfer, on every backend (XLA:CPU: a warm LLM() 4-5 s sooner on
-        # a busy 2-core machine, docs/benchmarks.md, "Warm-up on XLA:CPU").
-        if store is not None and warmup != "lazy":
-            store.prefetch(executables.graph_name(g) for g in
-                           (self.config.first_graphs() if warmup == "background" else self.config.step_graphs()))
-        if progress:
-            self._say(f"loading weights from {path}: {_weights_source(path, cache, _DTYPES[dtype], self.quantization)}")
-        t1 = time.perf_counter()
-        # One engine: stream the weights straight onto its devices, sharded (jlora.models.streaming).
-        self.model, self.model_path, fields = load_model(path, _DTYPES[dtype], weights_cache=cache or False,
-                                                           quantization=self.quantization,
-                                                           devices=device_groups[0] if len(device_groups) == 1 else None)
-        # True: read from the weights cache; False: converted (and cached); None: cache off or not needed.
-        self.weights_cache_hit: bool | None = (
-            None if cache is None else True if cache.stats["hits"] else False if cache.stats["misses"] else None)
-        cfg = self.model.cfg
-        if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={cfg.max_position_embeddings}")
-        # The KV cache sized to the device's memory left after the weights (kv_cache_memory_fraction).
-        self.kv_cache_plan: dict[str, Any] | None = None
-        if self.config.kv_cache_memory_fraction is not None:
-            from jlora.engine.kv_plan import size_kv_cache
-
-            self.config, self.kv_cache_plan = size_kv_cache(self.config, cfg, [d for g in device_groups for d in g],
-                                                            self.model.dtype)
-            p = self.kv_cache_plan
-            if progress:
-                self._say(f"KV cache: {p['num_kv_blocks']} blocks of {self.config.block_size} positions"
-                          + (f" ({p['kv_bytes'] / 1e9:.2f} GB, {p['full_length_sequences']} sequences of "
-                             f"{max_model_len}: {p['fraction']} of {p['bytes_limit'] / 1e9:.2f} GB less "
-                             f"{p['in_use'] / 1e9:.2f} GB in use and {p['lora_slots'] / 1e9:.2f} GB of LoRA slots)"
-                             if p["sized"] else f" ({p['reason']})"))
-        t2 = time.perf_counter()
-        imports_waited = engine_imports()
-        from jlora.engine.data_parallel import DataParallelEngine
-        from jlora.engine.llm_engine import LLMEngine
-        from jlora.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
-
-        t_engine_imports = time.perf_counter()
-        if self.model_path.is_file():
-            self.tokenizer = load_gguf_tokenizer(self.model_path, fields)
-        else:
-            self.tokenizer = load_hf_tokenizer(self.model_path)
-        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else cfg.eos_token_id
-        t3 = time.perf_counter()
-        with compile_stats.stage("init"):  # the zero-filled KV cache and adapter slots
-            engines = [LLMEngine(self.model, self.tokenizer, self.config, eos, devices) for devices in device_groups]
-            self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
-        self.engine.adapters.set_disk_cache(adapter_cache)
-        self.engine.adapters.set_max_cpu_lora_bytes(max_cpu_lora_bytes)
-        if store is not None and cfg != model_cfg:  # the loaded config is not the one the key was made of
-            store = open_executable_store(executable_cache, device_groups[0], cfg, dtype, self.quantization,
-                                          self.config)
-        self.executable_store = store
-        for runner in self.runners:
-            runner.executable_store = store
-        t4 = time.perf_counter()
+        say = self._say if progress else None
+        cache, read_cfg, store = startup.open_caches(
+            path, dtype, self.quantization, self.config, device_groups, warmup, use_compilation_cache,
+            compilation_cache_dir, weights_cache, executable_cache, tensor_parallel_size, say)
+        phases.done("open_caches")
+        self.model, self.model_path, fields, self.weights_cache_hit = startup.load_weights(
+            path, dtype, cache, self.quantization, device_groups, max_model_len)
+        self.config, self.kv_cache_plan = startup.size_kv_cache(self.config, self.model, device_groups,
+                                                                max_model_len, say)
+        phases.done("load_weights")
+        imports_waited = startup.finish_imports(engine_imports)
+        phases.done("engine_imports")
+        phases.seconds["engine_imports_waited"] = imports_waited
+        self.tokenizer = startup.load_tokenizer(self.model_path, fields)
+        phases.done("tokenizer")
+        self.engine = startup.build_engine(self.model, self.tokenizer, self.config, device_groups, adapter_cache,
+                                           max_cpu_lora_bytes)
+        self.executable_store = startup.attach_executable_store(
+            store, self.runners, read_cfg, self.model, executable_cache, device_groups, dtype, self.quantization,
+            self.config)
+        phases.done("engine_init")
         # Where the start-up went, in seconds (`jlora bench start` reports these). "imports" are the
         # loader's modules, imported while the backend started; "runtime" is what was left of the
         # backend's start after them (its whole start: `runtime_start`); "engine_imports" what was left
         # of the engine's and tokenizer's imports after the weights (`engine_imports_waited` of it
         # waiting for the import thread).
-        self.startup_seconds: dict[str, float] = {
-            "imports": t_imports - t0, "runtime": t_runtime - t_imports, "runtime_start": runtime_wait,
-            "validate": t_checked - t_runtime, "open_caches": t1 - t_checked, "load_weights": t2 - t1,
-            "engine_imports": t_engine_imports - t2, "engine_imports_waited": imports_waited,
-            "tokenizer": t3 - t_engine_imports, "engine_init": t4 - t3}
+        self.startup_seconds: dict[str, float] = phases.seconds
         self.warmup_mode = warmup
         if warmup != "lazy":
             self.warmup(background=warmup == "background")
         elif progress:
             self._say("lazy start (warmup=False): each graph compiles the first time a batch needs it")
-        self.startup_seconds["warmup"] = time.perf_counter() - t4
+        phases.done("warmup")
         if warmup != "lazy":  # its parts: tracing and lowering the step graphs, then compiling (or loading) them
             for part in ("load_stored", "trace_and_lower", "compile"):
                 self.startup_seconds[f"warmup_{part}"] = sum(r.compile_seconds[part] for r in self.runners)
@@ -337,7 +226,7 @@ class LLM(Closable):
                         for r in self.runners) if background else 0
             self._say(f"compiling {steps + slots} graphs ({steps} step graphs, {slots} set_slot"
                       + (f"; {later} of the step graphs in the background while serving" if later else "")
-                      + f"); {_compile_cache_holds()}")
+                      + f"); {startup.compile_cache_holds()}")
         t = time.perf_counter()
         n, hits = compile_stats.compile_count(exclude=(compile_stats.BACKGROUND,)), compile_stats.cache_hit_count()
         stored = sum(len(r.loaded_graphs) for r in self.runners)
@@ -555,151 +444,6 @@ class LLM(Closable):
         if print_table:
             print(compile_stats.format_table(table))
         return table
-
-
-def _weights_source(path: Path, cache: Any, dtype: Any, quantization: str | None) -> str:
-    """Where `load_model` is about to take the weights from, in words (the weights cache's hit or miss
-    is looked up by the same key `cached_read` uses)."""
-    if path.is_dir() and (path / "jlora_model.json").is_file():
-        return "a jlora checkpoint, read as saved"
-    convert = "dequantizing the GGUF" if path.is_file() else "converting the checkpoint"
-    if cache is None:
-        return f"weights cache off, {convert}"
-    from jlora.content_cache import META_FILE
-    from jlora.models import weights_cache as wc
-
-    entry = cache.entry(wc.model_key(path, dtype, cache, quantization))
-    if (entry / META_FILE).is_file():
-        return f"weights cache hit ({entry})"
-    return f"weights cache miss, {convert} and caching it in {cache.root}"
-
-
-def start_backend() -> Callable[[], float]:
-    """Start JAX's backends (on a v5e host the TPU runtime takes 5-8 s) in a thread, so what needs no
-    device (imports, config files) is done meanwhile. Returns a function that waits for the start
-    and gives its seconds (0 when the backends were already up). A failed start is raised by the
-    next JAX call that needs a backend, as without the thread.
-
-    (A smaller TPU_PREMAPPED_BUFFER_SIZE, the host buffer libtpu pins at its start, starts the
-    runtime in 2.3-3.7 s instead of 5.4-8 s on a v5e host, but it is not set here: with 1-2 GiB the
-    background warm-up's executable loads then took 34-37 s instead of 13-14 s and held a first
-    request 17-21 s; docs/tpu.md, "Caches".)"""
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
-        return lambda: 0.0
-    took: list[float] = []
-
-    def start() -> None:
-        t = time.perf_counter()
-        try:
-            jax.devices()
-        except Exception:  # noqa: BLE001 (the caller's next JAX call raises it with its own context)
-            pass
-        took.append(time.perf_counter() - t)
-
-    thread = threading.Thread(target=start, name="jlora-backend-start", daemon=True)
-    thread.start()
-
-    def wait() -> float:
-        thread.join()
-        return took[0] if took else 0.0
-    return wait
-
-
-_ENGINE_MODULES = ("jlora.engine.llm_engine", "jlora.engine.data_parallel", "jlora.tokenizer")
-
-
-def import_in_background(modules: Seq[str]) -> Callable[[], float]:
-    """Import `modules` in a thread; returns a function that waits for it and gives the seconds
-    waited. A failed import is left to the caller's own import, which raises it in context (a module
-    that failed is not left half-imported in `sys.modules`)."""
-    import importlib
-
-    def run() -> None:
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except BaseException:  # noqa: BLE001 (the caller's import raises it)
-                return
-
-    thread = threading.Thread(target=run, name="jlora-imports", daemon=True)
-    thread.start()
-
-    def wait() -> float:
-        t = time.perf_counter()
-        thread.join()
-        return time.perf_counter() - t
-    return wait
-
-
-def executable_cache_wanted(executable_cache: bool | str | os.PathLike | None, use_compilation_cache: bool,
-                            engines: int, tensor_parallel_size: int) -> bool:
-    """Whether LLM() keeps its step graphs as serialized executables (`jlora.engine.executables`):
-    None (the default) on one TPU host with the compile cache on, where tracing is seconds of a warm
-    start; True anywhere a single engine runs on one device; False never."""
-    if executable_cache is False or engines != 1 or tensor_parallel_size != 1 or jax.process_count() != 1:
-        return False
-    if executable_cache is None:
-        return use_compilation_cache and jax.default_backend() == "tpu"
-    return True
-
-
-def open_executable_store(executable_cache: bool | str | os.PathLike | None, devices: Seq[Any], model_cfg: Any,
-                          dtype: str, quantization: str, config: Any) -> executables.ExecutableStore | None:
-    """The executable store of this engine (True/None: `$JLORA_CACHE_DIR/executables`; a path: there):
-    keyed by the code, the platform and devices, the model's config, dtype and quantization and the
-    engine's config (`executables.fingerprint`)."""
-    key = executables.fingerprint(devices, f"model={model_cfg!r}", f"dtype={dtype}", f"quantization={quantization}",
-                                  f"engine={config!r}")
-    return executables.open_store(True if executable_cache is None else executable_cache, key)
-
-
-WARMUP_MODES = {True: "eager", False: "lazy", "eager": "eager", "lazy": "lazy", "background": "background"}
-
-
-def resolve_warmup(warmup: bool | str | None) -> str:
-    """LLM(warmup=...) as "eager", "background" or "lazy" (None: background on one TPU host)."""
-    if warmup is None:
-        return "background" if jax.default_backend() == "tpu" and jax.process_count() == 1 else "eager"
-    if isinstance(warmup, bool) or (isinstance(warmup, str) and warmup in WARMUP_MODES):
-        if warmup == "background" and jax.process_count() > 1:  # processes must step the same graphs
-            raise ValueError("warmup='background' needs one process (jax.distributed runs every graph in step)")
-        return WARMUP_MODES[warmup]
-    raise ValueError(f"warmup must be True, False, None or one of 'eager', 'background', 'lazy', got {warmup!r}")
-
-
-def _compile_cache_holds() -> str:
-    """How many compiled graphs the persistent compile cache holds (of every engine configuration)."""
-    where = jax.config.jax_compilation_cache_dir
-    if not where or not jax.config.jax_enable_compilation_cache:
-        return "the compile cache is off"
-    try:
-        held = sum(1 for f in os.scandir(where) if f.name.endswith("-cache"))
-    except OSError:
-        held = 0
-    return f"the compile cache ({where}) holds {held} graphs of any configuration"
-
-
-def parallel_devices(model: str | os.PathLike | Path, tensor_parallel_size: int,
-                     data_parallel_size: int) -> list[list[Any]]:
-    """The device group of each data-parallel replica, tensor_parallel_size devices each, in
-    `jax.devices()` order (under jax.distributed: every process's devices). Checked against the
-    model's heads (`check_tensor_parallel`) and the devices there are, before any weight is read."""
-    from jlora.models.loading import read_model_config
-    from jlora.models.tensor_parallel import check_tensor_parallel
-
-    d = data_parallel_size
-    if not isinstance(d, int) or isinstance(d, bool) or d < 1:
-        raise ValueError(f"data_parallel_size must be a positive int, got {d!r}")
-    check_tensor_parallel(read_model_config(model), tensor_parallel_size)
-    devices = jax.devices()
-    need = tensor_parallel_size * d
-    if need > len(devices):
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={d} needs {need} "
-                         f"devices; JAX sees {len(devices)} ({devices[0].platform}). On a CPU, "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={need} makes that many.")
-    return [devices[i * tensor_parallel_size:(i + 1) * tensor_parallel_size] for i in range(d)]
 
 
 def format_memory_report(report: dict[str, dict[str, object]]) -> str:

@@ -670,14 +670,14 @@ def test_unload_while_the_same_name_converts_stays_unloaded(adapters, monkeypatc
     mgr = AdapterManager(CFG, max_loras=2, max_lora_rank=8)
     dev = _device(mgr)
     started, go = threading.Event(), threading.Event()
-    real = mgr._convert
+    real = mgr.host.convert
 
     def slow(version, req):
         started.set()
         go.wait(30)
         return real(version, req)
 
-    monkeypatch.setattr(mgr, "_convert", slow)
+    monkeypatch.setattr(mgr.host, "convert", slow)
     result = {}
     t = threading.Thread(target=lambda: result.update(handle=mgr.prepare(_req(0, adapters))))
     t.start()
@@ -1106,10 +1106,10 @@ def _blocking_reads(monkeypatch):
     """Make the manager's conversions wait for `gate` (and count them), so a test can hold one open."""
     import threading
 
-    from jlora.adapters import manager as manager_mod
+    from jlora.adapters import host_store
 
     gate, started, calls = threading.Event(), threading.Event(), []
-    real = manager_mod.read_adapter
+    real = host_store.read_adapter
 
     def slow_read(*args, **kwargs):
         calls.append(args[0])
@@ -1117,7 +1117,7 @@ def _blocking_reads(monkeypatch):
         assert gate.wait(10), "test gate never opened"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(manager_mod, "read_adapter", slow_read)
+    monkeypatch.setattr(host_store, "read_adapter", slow_read)
     return gate, started, calls
 
 

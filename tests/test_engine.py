@@ -208,11 +208,11 @@ def test_the_step_thread_never_pads_an_adapter(llm, tiny_adapters, monkeypatch):
     add_request's prepare; never inside a step. The writes a step applies are those padded copies."""
     import threading
 
-    from jlora.adapters import manager as manager_mod
+    from jlora.adapters import host_store
 
     eng = llm.engine
     calls, in_step, applied = [], threading.Event(), []
-    real_pad, real_step, real_write = manager_mod.padded_update, eng.step, eng.runner.write_slots
+    real_pad, real_step, real_write = host_store.padded_update, eng.step, eng.runner.write_slots
 
     def pad(*args, **kwargs):
         calls.append((threading.current_thread().name, in_step.is_set()))
@@ -229,7 +229,7 @@ def test_the_step_thread_never_pads_an_adapter(llm, tiny_adapters, monkeypatch):
         applied.extend(writes)
         return real_write(writes)
 
-    monkeypatch.setattr(manager_mod, "padded_update", pad)
+    monkeypatch.setattr(host_store, "padded_update", pad)
     monkeypatch.setattr(eng, "step", step)
     monkeypatch.setattr(eng.runner, "write_slots", write_slots)
     # Names no other test uses, so each is converted (and padded) here.

@@ -289,14 +289,14 @@ def test_a_converting_adapter_does_not_stall_running_streams(live, monkeypatch):
     client.completions.create(model="a5", prompt=PROMPTS[1], max_tokens=2)  # a5 converted before the hold
     gate, started = threading.Event(), threading.Event()
     mgr = live.llm.engine.adapters
-    real = mgr._read_source  # conversion or a disk-cache read: every way an adapter reaches the host cache
+    real = mgr.host.read_source  # conversion or a disk-cache read: every way an adapter reaches the host cache
 
     def held_read(*args, **kwargs):
         started.set()
         assert gate.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(mgr, "_read_source", held_read)
+    monkeypatch.setattr(mgr.host, "read_source", held_read)
     loaded: queue.Queue = queue.Queue()
     loader = threading.Thread(target=lambda: loaded.put(live.http().post(
         "/v1/load_lora_adapter", json={"lora_name": "held", "lora_path": "good"})))

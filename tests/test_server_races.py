@@ -52,7 +52,7 @@ def _hold_conversions(live, monkeypatch) -> tuple[threading.Event, threading.Eve
     """Every adapter read (conversion or disk-cache read) waits for `gate`; `started` is set by the first."""
     gate, started, names = threading.Event(), threading.Event(), []
     mgr = live.llm.engine.adapters
-    real = mgr._read_source
+    real = mgr.host.read_source
 
     def held_read(version, req):
         names.append(req.lora_name)
@@ -60,7 +60,7 @@ def _hold_conversions(live, monkeypatch) -> tuple[threading.Event, threading.Eve
         assert gate.wait(60)
         return real(version, req)
 
-    monkeypatch.setattr(mgr, "_read_source", held_read)
+    monkeypatch.setattr(mgr.host, "read_source", held_read)
     return gate, started, names
 
 

@@ -100,7 +100,7 @@ def init_lora_params(
 def lora_params_from_adapter(adapter: LoRAAdapter, model_cfg: LlamaConfig, rank: int | None = None,
                              dtype: Any = jnp.float32) -> LoRAState:
     """A converted adapter (e.g. `read_peft_adapter`) as a one-adapter training pytree (N=1)."""
-    from jlora.adapters.manager import padded_update
+    from jlora.adapters.slots import padded_update
 
     rank = adapter.rank if rank is None else rank
     update = padded_update(adapter, model_cfg, rank, tuple(adapter.weights), np.float32)

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jlora.adapters.manager import LoRASlots, SlotWrite, padded_update
+from jlora.adapters.slots import LoRASlots, SlotWrite, padded_update
 from jlora.adapters.peft import read_adapter
 from jlora.bench.peft_adapters import write_peft_adapter
 from jlora.models.llama import LORA_MODULES

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.numpy import load_file, save_file
 
     from jlora.adapters import padded_update, read_peft_adapter
-    from jlora.adapters.manager import LoRASlots, SlotWrite
+    from jlora.adapters.slots import LoRASlots, SlotWrite
     from jlora.bench.lora_cost import write_adapters
     from jlora.models.config import PACKED_MODULES
     from jlora.models.loading import load_model

@@ -111,7 +111,7 @@ def step_cost(reps: int) -> int:
     from flax import nnx
 
     from jlora.adapters import padded_update, read_peft_adapter
-    from jlora.adapters.manager import LoRASlots, SlotWrite
+    from jlora.adapters.slots import LoRASlots, SlotWrite
     from jlora.bench.lora_cost import write_adapters
     from jlora.models.config import LORA_MODULES, VOCAB_MODULES
     from jlora.models.loading import load_model

@@ -80,7 +80,7 @@ def compile_step_graphs(llm: Any, device: Any, only: set[str] | None = None,
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from jlora.engine.runner import whole_cache_copies
+    from jlora.engine.hlo import whole_cache_copies
 
     runner = llm.engine.runner
     sharding = SingleDeviceSharding(device)

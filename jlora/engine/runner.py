@@ -10,35 +10,30 @@ go over in one transfer, and only the sampled tokens (and logprobs) come back.
 The LoRA slot arrays are the runner's too (`self.lora`, a `LoRASlots`): the adapter manager only
 decides which adapter goes in which slot and queues the writes, already padded on the host; the
 step plan carries them and `write_slots` applies them right before the step that reads them.
+
+Compiling the step graphs (warm-up, in the background too, and the executable store) is
+`jlora.engine.compiling`'s `GraphCompiler`, a base of ModelRunner; reading a compiled graph's HLO
+is `jlora.engine.hlo`. Their public names are re-exported here.
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import dataclasses
 import functools
-import os
-import re
-import sys
-import threading
 import time
-import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
-from jlora import compile_stats
-from jlora.adapters.manager import LoRASlots, SlotWrite
-from jlora.engine import executables
+from jlora.adapters.slots import LoRASlots, SlotWrite
+from jlora.engine.compiling import GraphCompiler, _abstract, wait_for_stored_executables  # noqa: F401 (re-exported)
 from jlora.engine.config import EngineConfig
-from jlora.engine.executables import ExecutableStore, graph_name
+from jlora.engine.hlo import whole_cache_copies  # noqa: F401 (re-exported)
 from jlora.engine.structured import fill_mask
 from jlora.kernels.common import MIX_SLOT
 from jlora.kernels.paged_attention_tpu import cache_lanes, default_chunk
@@ -169,21 +164,6 @@ def unpack_outputs(packed: np.ndarray, layout: Any) -> dict[str, np.ndarray]:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def whole_cache_copies(hlo_text: str, cache_shape: tuple[int, ...]) -> list[str]:
-    """Instructions of a compiled step's HLO that produce a whole-cache-sized array by a copy, a
-    transpose or a fusion named for one: XLA changing the cache's layout, which costs a full read
-    and write of the cache each time (on a TPU v5e, 25 of a 40 ms decode step before the cache
-    became [L, NB, bs, KVH*Dh]). The serving step must have none."""
-    dims = ",".join(str(d) for d in cache_shape)
-    pattern = re.compile(rf"%?([\w.-]+) = \w+\[{dims}\](\{{[^}}]*\}})? ([\w-]+)\(")
-    out = []
-    for line in hlo_text.splitlines():
-        m = pattern.search(line)
-        if m and (m.group(3) in ("copy", "transpose") or "copy" in m.group(1) or "transpose" in m.group(1)):
-            out.append(line.strip()[:240])
-    return out
-
-
 def resolve_attn_impl(impl: str, tp_size: int, kv_dtype: Any) -> str:
     """`EngineConfig.attn_impl` for this runner: "auto" is the Pallas kernel on one TPU device (a
     Pallas call is not partitioned across a mesh, and XLA:CPU keeps bf16 as uint16 bits, which the
@@ -257,13 +237,14 @@ def step_graph(weights, lora_state, cache, ints, floats, history, allowed, prev_
     return packed, tokens, cache
 
 
-class ModelRunner:
+class ModelRunner(GraphCompiler):
     """`devices`: the engine's devices, a tensor-parallel mesh over them when there are several
     (jlora.models.tensor_parallel; default: the first device). Each device then holds its shard
     of every weight, of the KV cache and of the slots; XLA partitions the one step graph."""
 
     def __init__(self, model: Llama, config: EngineConfig, eos_token_id: int | None = None,
                  devices: Sequence[Any] | None = None):
+        super().__init__()  # the compiled graphs' bookkeeping (GraphCompiler)
         self.cfg = model.cfg  # the logical config (what adapters and requests are checked against)
         self.config = config
         self.eos_token_id = eos_token_id  # banned before a row's min_tokens
@@ -306,11 +287,7 @@ class ModelRunner:
                                                tuning=config.tuning),
                              static_argnames=("layout", "lora_impl", "attn_chunk", "attn_impl", "lora_skip"),
                              donate_argnames=("cache",), **(shardings or {}))
-        # ((R, P, Q), with LoRA) -> compiled step (EngineConfig.step_graphs)
-        self._executables: dict[tuple[tuple[int, int, int], bool], Any] = {}
         self._base_shapes = frozenset(config.base_graph_shapes())  # shapes with a graph without LoRA too
-        self.compile_seconds: dict[str, Any] = {"load_stored": 0.0, "trace_and_lower": 0.0, "compile": 0.0,
-                                                "graphs": {}}
         # Steps launched per graph ((R, P, Q), with LoRA): which compiled graphs a workload ran
         # (the chip check holds every one of them against the CPU).
         self.graph_runs: collections.Counter[tuple[tuple[int, int, int], bool]] = collections.Counter()
@@ -318,17 +295,7 @@ class ModelRunner:
         # the default precision, which left a v5e's float32 greedy tokens off the CPU's within 20
         # tokens; narrower dtypes keep the default (Mosaic refuses bf16 operands under "highest").
         self.matmul_precision = "highest" if jnp.dtype(model.dtype) == jnp.float32 else None
-        # A background warm-up's graphs not compiled yet (`warmup(background=True)`), the thread that
-        # compiles them, and what it raised.
-        self._pending: set[tuple[tuple[int, int, int], bool]] = set()
-        self._background: threading.Thread | None = None
-        self._stop_background = threading.Event()
-        self.background_error: BaseException | None = None
         self._resident: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}  # rows -> `_defaults`
-        # Serialized step graphs of an earlier start (jlora.engine.executables; LLM sets it), and
-        # the graphs taken from it instead of compiled.
-        self.executable_store: ExecutableStore | None = None
-        self.loaded_graphs: set[tuple[tuple[int, int, int], bool]] = set()
         # StepListeners told of each launch and collect (LLMEngine.add_step_listener shares its list).
         self.listeners: list[Any] = []
 
@@ -546,134 +513,6 @@ class ModelRunner:
         with jax.default_matmul_precision(self.matmul_precision):
             return self._step.lower(*jax.tree.map(_abstract, args), **static)
 
-    def _compile(self, keys: list[tuple[tuple[int, int, int], bool]], progress: bool = False,
-                 stage: str = "step", stop: threading.Event | None = None) -> None:
-        """Trace and lower each graph ((shape, with LoRA): Python, one at a time), then compile them on
-        all cores at once (one at a time on XLA:CPU, below): XLA compiles outside the GIL, and the step
-        graphs do not depend on each other. Not overlapped: on XLA:CPU a compile-cache load beside the next graph's tracing crashed
-        the process (a segfault in XLA's executable deserialization; the later CI segfaults there were
-        the test process out of memory maps, which may have been this one's cause too). `stop`: once
-        set, lower no more graphs and start no more compiles."""
-        if not keys:
-            return
-        t0 = time.perf_counter()
-        store = self.executable_store
-        if store is not None:
-            store.prefetch(graph_name(k) for k in keys)
-            keys = [k for k in keys if not self._load_stored(k, store)]
-        t_loaded = time.perf_counter()
-        lowered = {}
-        for key in keys:
-            if stop is not None and stop.is_set():
-                return
-            lowered[key] = self.lower(key)
-        t1 = time.perf_counter()
-
-        def build(key: tuple[tuple[int, int, int], bool]) -> None:
-            if stop is not None and stop.is_set():
-                return
-            t, hits = time.perf_counter(), compile_stats.thread_cache_hit_count()
-            with compile_stats.stage(stage):
-                compiled = lowered[key].compile()
-            compiled_here = compile_stats.thread_cache_hit_count() == hits
-            self._executables[key] = compiled
-            self._pending.discard(key)  # after the executable is in: a reader that sees it gone finds it
-            self.compile_seconds["graphs"][f"{key[0]}{'' if key[1] else ' base'}"] = time.perf_counter() - t
-            # Written off the warm-up's path (serving does not wait for the disk), and only when
-            # compiled here: XLA:CPU re-serializes a compile-cache load without its kernels (it then
-            # fails to run: "Function wrapped_iota not found").
-            if store is not None and compiled_here:
-                _STORE_WRITES.submit(store.put, graph_name(key), compiled, self._out_layouts[key[0]])
-
-        if keys:
-            bar = tqdm(total=len(keys), desc="jlora warm-up (compiling step graphs)", disable=not progress)
-            # One graph at a time on XLA:CPU: its compiler runs threads of its own, and two graphs at
-            # once were no faster on 2 cores (docs/benchmarks.md, "Warm-up on XLA:CPU").
-            workers = 1 if jax.default_backend() == "cpu" else min(len(keys), os.cpu_count() or 1)
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                for _ in pool.map(build, keys):
-                    bar.update(1)
-            bar.close()
-        # Where warm-up goes (start-up's largest part on a TPU): stored executables loaded, Python
-        # tracing and lowering, one graph at a time, then the compiles (or persistent-cache loads)
-        # side by side.
-        part = "background_" if stage == compile_stats.BACKGROUND else ""
-        for name, seconds in (("load_stored", t_loaded - t0), ("trace_and_lower", t1 - t_loaded),
-                              ("compile", time.perf_counter() - t1)):
-            self.compile_seconds[part + name] = self.compile_seconds.get(part + name, 0.0) + seconds
-
-    def _load_stored(self, key: tuple[tuple[int, int, int], bool], store: ExecutableStore) -> bool:
-        """Install the graph `key` from the executable store; False when it is not there or does not
-        take this runner's arguments (then it compiles as usual)."""
-        got = store.get(graph_name(key))
-        if got is None:
-            return False
-        compiled, out_layout = got
-        args, _ = self.step_inputs(key)
-        if not executables.matches(compiled, jax.tree.map(_abstract, args)):
-            return False
-        self._out_layouts[key[0]] = out_layout
-        self._executables[key] = compiled
-        self._pending.discard(key)
-        self.compile_seconds["graphs"][f"{key[0]}{'' if key[1] else ' base'}"] = 0.0
-        self.loaded_graphs.add(key)
-        return True
-
-    def warmup(self, progress: bool = True, background: bool = False) -> None:
-        """Compile the slot write and every step graph once, before the first request.
-
-        background=True compiles `EngineConfig.first_graphs()` (which run any step) now and the rest
-        in a thread while the engine serves: the scheduler picks among the compiled shapes
-        (`can_run`), and no step waits for a compile. `wait_warmup` joins it."""
-        self.lora.warmup()
-        todo = [g for g in self.config.step_graphs() if g not in self._executables]
-        if not background:
-            self._compile(todo, progress)
-            return
-        self._compile([g for g in self.config.first_graphs() if g in todo], progress)
-        rest = [g for g in todo if g not in self._executables]
-        if not rest:
-            return
-        self._pending = set(rest)
-        self._background = threading.Thread(target=self._compile_pending, args=(rest,), daemon=True,
-                                            name="jlora-warmup")
-        self._background.start()
-        _BACKGROUND_RUNNERS.add(self)
-
-    def _compile_pending(self, keys: list[tuple[tuple[int, int, int], bool]]) -> None:
-        """The background warm-up: every pending graph lowered (the decode graphs first, the smallest
-        rows first), then all compiled side by side (one at a time took twice as long on a v5e
-        host); at interpreter exit none is lowered or compiled any more."""
-        t = time.perf_counter()
-        try:
-            self._compile(sorted(keys, key=lambda k: (k[0][1] > 0, not k[1], k[0])), stage=compile_stats.BACKGROUND,
-                          stop=self._stop_background)
-        except BaseException as e:  # noqa: BLE001 (kept for wait_warmup; steps keep the compiled graphs)
-            if self._stop_background.is_set():  # stopped (close, interpreter exit): not a failure
-                return
-            self.background_error = _without_tracebacks(e)
-            print(f"jlora: background warm-up failed, steps keep to the graphs compiled so far: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        finally:
-            self.compile_seconds["background"] = time.perf_counter() - t
-
-    def wait_warmup(self, timeout: float | None = None) -> bool:
-        """Wait for a background warm-up; True when every graph is compiled. Raises what the
-        background compile raised."""
-        if self._background is not None:
-            self._background.join(timeout)
-        if self.background_error is not None:
-            raise RuntimeError("jlora's background warm-up failed") from self.background_error
-        return not self._pending
-
-    def stop_background_warmup(self) -> None:
-        """Stop a background warm-up: it lowers no more graphs and starts no more compiles; the
-        compile under way finishes (what `close` and interpreter exit wait for)."""
-        self._stop_background.set()
-        if self._background is not None:
-            self._background.join()
-        _BACKGROUND_RUNNERS.discard(self)
-
     def close(self) -> None:
         """Stop a background warm-up and free the device arrays (KV cache, weights this runner
         placed, LoRA slots) and compiled graphs. Weights it shares with the model it was given
@@ -686,46 +525,3 @@ class ModelRunner:
         self._weights, self.state, self.cache, self._resident = [], None, {}, {}
         self._executables.clear()
         self._step = None
-
-
-def _without_tracebacks(e: BaseException) -> BaseException:
-    """`e` and the exceptions it chains, their tracebacks dropped: a traceback's frames hold the runner
-    that keeps `e`, a reference cycle that kept a runner after a failed background warm-up alive
-    until the cyclic collector ran."""
-    seen: set[int] = set()
-    x: BaseException | None = e
-    while x is not None and id(x) not in seen:
-        seen.add(id(x))
-        x.__traceback__ = None
-        x = x.__cause__ or x.__context__
-    return e
-
-
-def _abstract(x: Any) -> Any:
-    """An array's shape, dtype and sharding (what lowering a step graph reads of it)."""
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
-
-
-# Stored executables are written by one thread, after the compile: a warm-up never waits for them.
-_STORE_WRITES = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jlora-executable-writes")
-
-def wait_for_stored_executables() -> None:
-    """Wait until the executables handed to the store so far are written."""
-    _STORE_WRITES.submit(lambda: None).result()
-
-
-# Runners with a background warm-up: at exit each stops lowering and starting compiles and finishes
-# the compile under way, so none is left running while JAX shuts its backends down. Registered to
-# run before concurrent.futures' own exit hook (threading's exit hooks run before atexit's, the last
-# registered first): after that hook a warm-up could not hand a stored executable to its writer
-# ("cannot schedule new futures after shutdown"), and atexit's hooks ran beside a warm-up still
-# lowering (a KeyError from inside the trace); both were printed as a failed warm-up.
-_BACKGROUND_RUNNERS: "weakref.WeakSet[ModelRunner]" = weakref.WeakSet()
-
-
-def _stop_background_warmups() -> None:
-    for runner in list(_BACKGROUND_RUNNERS):
-        runner.stop_background_warmup()
-
-
-getattr(threading, "_register_atexit", atexit.register)(_stop_background_warmups)

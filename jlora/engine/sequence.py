@@ -7,7 +7,7 @@ import enum
 import time
 from typing import Any
 
-from jlora.adapters.manager import AdapterHandle
+from jlora.adapters.host_store import AdapterHandle
 from jlora.adapters.request import LoRACombination, LoRARequest
 from jlora.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jlora.sampling_params import SamplingParams

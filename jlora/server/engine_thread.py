@@ -24,7 +24,7 @@ import types
 from typing import Any, Callable
 
 from jlora import compile_stats
-from jlora.adapters.manager import AdapterHandle
+from jlora.adapters.host_store import AdapterHandle
 from jlora.adapters.request import LoRARequest
 from jlora.engine.llm_engine import QueueFullError
 from jlora.engine.sequence import Request, Sequence

@@ -35,7 +35,7 @@ feeds token-id prompts. Sections (`--sections`, in the order given):
               writes, each adapter's host-to-device load (p50/p99), compiles after warm-up
   runtime     the TPU runtime's start in fresh processes for each `--premapped-sizes` value of
               TPU_PREMAPPED_BUFFER_SIZE, with a 512 MB transfer each way; LLM()'s imports alone and
-              beside the runtime's start (`jlora.llm.start_backend`)
+              beside the runtime's start (`jlora.engine.startup.start_backend`)
 
 Where each part lives: `shapes` (the shapes, their checkpoints and adapters; the memory arithmetic
 is `jlora.engine.kv_plan`), `micro` (kernel, qmatmul, layers), `workloads` (engine), `slora` (slora), `startup`

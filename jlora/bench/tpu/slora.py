@@ -199,7 +199,7 @@ def time_loads(llm: Any, loras: list[Any], n: int) -> list[float]:
     the manager never serves a slot it did not write."""
     import jax
 
-    from jlora.adapters.manager import SlotWrite
+    from jlora.adapters.slots import SlotWrite
 
     runner, manager = llm.engine.runner, llm.engine.adapters
     handles = [manager.prepare(lr) for lr in loras[:n]]

@@ -125,7 +125,7 @@ def load_child(args: argparse.Namespace) -> int:
 
 # One fresh process of the runtime section: "runtime" times JAX's TPU start and a 512 MB transfer
 # each way; "imports" the modules LLM() imports (the engine, the loader, the tokenizer) without a
-# backend; "both" the two side by side, as LLM() does (`jlora.llm.start_backend`).
+# backend; "both" the two side by side, as LLM() does (`jlora.engine.startup.start_backend`).
 _RUNTIME_CHILD = r"""
 import json, os, sys, time
 mode = sys.argv[1]

@@ -210,7 +210,7 @@ def format_repeat_summary(summary: dict[str, Any]) -> str:
 def whole_cache_copies(llm: Any) -> dict[str, Any]:
     """Every compiled step graph's copies, transposes and copy fusions of a whole K or V cache
     (XLA re-laying out the cache: what a v5e profile found four of per step). Must be empty."""
-    from jlora.engine.runner import whole_cache_copies as find_copies
+    from jlora.engine.hlo import whole_cache_copies as find_copies
 
     runner = llm.engine.runner
     graphs = runner.compiled_graphs
@@ -224,7 +224,7 @@ def whole_weight_copies(llm: Any) -> list[str]:
     """Copies, transposes and copy fusions in the compiled step graphs that produce a whole stacked
     weight ([L, ...]) or the embedding/head: XLA:TPU re-laying out a weight it was handed (an int8
     [L, out, in] stack, say) would cost a full read and write of it, and its memory, every step."""
-    from jlora.engine.runner import whole_cache_copies as find_copies
+    from jlora.engine.hlo import whole_cache_copies as find_copies
 
     runner = llm.engine.runner
     shapes = {tuple(w.shape) for w in runner.weights if w.ndim >= 2 and w.shape[0] > 1}
