@@ -59,6 +59,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
                    help="auto: the KV cache in --dtype; int8: int8 keys and values with a float32 scale per position "
                         "and KV head (about half the bytes of bf16 a token)")
+    p.add_argument("--kv-cache-memory-fraction", type=_fraction, default=d["kv_cache_memory_fraction"],
+                   help="share of the device's memory for the weights, LoRA slots and KV cache; the KV cache gets "
+                        "what is left (vLLM's --gpu-memory-utilization). auto: 0.8 on one TPU device, else "
+                        "--max-num-seqs full-length sequences")
     p.add_argument("--block-size", type=int, default=d["block_size"],
                    help="KV cache positions per block (default: 16; on a TPU a sixteenth of --max-model-len, 16-128)")
     p.add_argument("--base-graphs", default=d["base_graphs"], choices=list(BASE_GRAPHS),
@@ -97,6 +101,16 @@ def _buckets(text: str | None, flag: str) -> tuple[int, ...] | None:
         raise CLIError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
+def _fraction(text: str) -> float | str:
+    """--kv-cache-memory-fraction: "auto" or a number (the range is EngineConfig's to check)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a number in (0, 1], got {text!r}") from None
+
+
 def _cli_words(message: str, parser_dests: set[str]) -> str:
     """`EngineConfig.max_model_len` / `max_lora_rank=16` -> `--max-model-len` / `--max-lora-rank=16`."""
     def flag(m: re.Match) -> str:
@@ -117,6 +131,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   max_lora_rank=args.max_lora_rank, lora_impl=args.lora_impl,
                   attn_impl=getattr(args, "attn_impl", "auto"),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                  kv_cache_memory_fraction=getattr(args, "kv_cache_memory_fraction", "auto"),
                   async_scheduling=getattr(args, "async_scheduling", None),
                   block_size=getattr(args, "block_size", None),
                   base_graphs=getattr(args, "base_graphs", None),

@@ -15,6 +15,12 @@ from jlora.engine.config import ATTN_IMPLS, BASE_GRAPHS, KV_CACHE_DTYPES, Engine
 ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 ENGINE_DEFAULTS["block_size"] = None  # auto: `default_block_size` for the backend
 ENGINE_DEFAULTS["base_graphs"] = None  # auto: `default_base_graphs` for the backend
+ENGINE_DEFAULTS["kv_cache_memory_fraction"] = "auto"  # `default_kv_cache_memory_fraction` for the backend
+# The share of a TPU's memory the weights, LoRA slots and KV cache take when nothing else is said:
+# the rest is for the steps' temporaries (a 2,048-token prefill chunk's prompt log-probabilities over
+# the 1B shape's 128,256-token vocabulary are 1 GB in float32, twice that with their softmax). At
+# 15.75 GiB (a v5e) 0.8 leaves 3.4 GB.
+TPU_KV_CACHE_MEMORY_FRACTION = 0.8
 DTYPES = ("float32", "bfloat16", "float16")
 # Weight quantization (jlora.models.quant): "int8" = int8 weights with per-token int8 activations
 # where the backend multiplies int8 natively (CPU, TPU), else dequantized in the matmul; "int8-weight-only" =
@@ -43,6 +49,16 @@ def default_base_graphs(backend: str | None) -> str:
     return "decode" if backend == "tpu" else "none"
 
 
+def default_kv_cache_memory_fraction(backend: str | None, num_kv_blocks: int | None, devices: int = 1) -> float | None:
+    """`kv_cache_memory_fraction` when it is "auto": on one TPU device without num_kv_blocks,
+    TPU_KV_CACHE_MEMORY_FRACTION (vLLM sizes its cache to gpu_memory_utilization=0.9 by default);
+    elsewhere None, num_kv_blocks (default max_num_seqs full-length sequences). Several devices
+    (tensor or data parallel) keep num_kv_blocks: the sizing reads one device's memory."""
+    if backend == "tpu" and num_kv_blocks is None and devices == 1:
+        return TPU_KV_CACHE_MEMORY_FRACTION
+    return None
+
+
 def engine_config(
     *,
     dtype: str = "float32",
@@ -53,13 +69,17 @@ def engine_config(
     token_buckets: Seq[int] | None = None,
     lora_slot_ranks: Seq[int] | None = None,
     lora_impl: str = ENGINE_DEFAULTS["lora_impl"],
+    kv_cache_memory_fraction: float | str | None = ENGINE_DEFAULTS["kv_cache_memory_fraction"],
+    devices: int = 1,
     **sizes: Any,
 ) -> EngineConfig:
     """The EngineConfig `LLM(...)` builds from these arguments; ValueError naming the bad one.
 
     Needs no model, so callers (the CLI, a server) can reject bad sizes before loading anything.
     `block_size` None is `default_block_size` for `backend` (None: not a TPU); `base_graphs` None
-    is `default_base_graphs` for it.
+    is `default_base_graphs` for it; `kv_cache_memory_fraction` "auto" is
+    `default_kv_cache_memory_fraction` for it, `num_kv_blocks` and `devices` (the engine's devices,
+    tensor x data parallel).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
@@ -76,8 +96,11 @@ def engine_config(
         block_size = default_block_size(sizes.get("max_model_len", ENGINE_DEFAULTS["max_model_len"]), backend)
     if base_graphs is None:
         base_graphs = default_base_graphs(backend)
+    if kv_cache_memory_fraction == "auto":
+        kv_cache_memory_fraction = default_kv_cache_memory_fraction(backend, sizes.get("num_kv_blocks"), devices)
     return EngineConfig(max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, block_size=block_size,
-                        base_graphs=base_graphs, **buckets, **sizes)
+                        base_graphs=base_graphs, kv_cache_memory_fraction=kv_cache_memory_fraction,
+                        **buckets, **sizes)
 
 
 def warmup_flag(args: Any) -> str | None:

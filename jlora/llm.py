@@ -68,7 +68,10 @@ class LLM(Closable):
     kv_cache_memory_fraction: size the KV cache to this share of the device's memory once the
     weights are placed, less the LoRA slots (vLLM's gpu_memory_utilization; `llm.kv_cache_plan`
     says what it chose); a backend without a memory limit (the CPU) keeps max_num_seqs full-length
-    sequences. None (the default): num_kv_blocks.
+    sequences. None: num_kv_blocks. "auto" (the default): 0.8 on one TPU device when num_kv_blocks
+    is not given (`jlora.engine_args.default_kv_cache_memory_fraction`), else None. max_num_seqs still
+    bounds the sequences running at once; the rest of the cache holds cached prefixes and lets long
+    sequences run without preemption.
 
     kv_cache_dtype: "auto" (the default, or None) keeps keys and values in the model's dtype; "int8"
     stores them as int8 with a float32 scale per position and KV head (`jlora.kernels.kv_quant`),
@@ -126,7 +129,7 @@ class LLM(Closable):
         executable_cache: bool | str | os.PathLike | None = None,
         progress: bool = True,
         tuning: TuningOptions | None = ENGINE_DEFAULTS["tuning"],
-        kv_cache_memory_fraction: float | None = ENGINE_DEFAULTS["kv_cache_memory_fraction"],
+        kv_cache_memory_fraction: float | str | None = ENGINE_DEFAULTS["kv_cache_memory_fraction"],
         kv_cache_dtype: str | None = ENGINE_DEFAULTS["kv_cache_dtype"],
     ):
         phases = startup.Phases()
@@ -153,7 +156,7 @@ class LLM(Closable):
             max_overtakes=max_overtakes, max_n=max_n, max_waiting_seqs=max_waiting_seqs,
             num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching, backend=jax.default_backend(),
             tuning=TuningOptions() if tuning is None else tuning, kv_cache_memory_fraction=kv_cache_memory_fraction,
-            kv_cache_dtype=kv_cache_dtype)
+            devices=tensor_parallel_size * data_parallel_size, kv_cache_dtype=kv_cache_dtype)
         path, device_groups = startup.resolve_model(model, self.config, num_kv_blocks, tensor_parallel_size,
                                                     data_parallel_size)
         self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size

@@ -37,3 +37,30 @@ def test_llm_sizes_its_kv_cache_to_the_device_memory(tiny_dir, monkeypatch):
         LLM(str(tiny_dir[0]), kv_cache_memory_fraction=0.5, num_kv_blocks=8, **kw)
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
         LLM(str(tiny_dir[0]), kv_cache_memory_fraction=1.5, **kw)
+
+
+def test_auto_sizes_the_cache_to_one_tpu_and_keeps_num_kv_blocks_elsewhere():
+    from jlora.engine_args import TPU_KV_CACHE_MEMORY_FRACTION, engine_config
+
+    assert engine_config(backend="tpu").kv_cache_memory_fraction == TPU_KV_CACHE_MEMORY_FRACTION == 0.8
+    assert engine_config(backend="cpu").kv_cache_memory_fraction is None
+    assert engine_config().kv_cache_memory_fraction is None  # no backend named: not a TPU
+    # what the user sized, or several devices (the sizing reads one device's memory), keep num_kv_blocks
+    assert engine_config(backend="tpu", num_kv_blocks=64).kv_cache_memory_fraction is None
+    assert engine_config(backend="tpu", devices=4).kv_cache_memory_fraction is None
+    assert engine_config(backend="cpu", kv_cache_memory_fraction=0.5).kv_cache_memory_fraction == 0.5
+    assert engine_config(backend="tpu", kv_cache_memory_fraction=None).kv_cache_memory_fraction is None
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction must be None or in"):
+        engine_config(backend="tpu", kv_cache_memory_fraction="most")
+
+
+def test_the_cli_takes_auto_or_a_fraction_and_names_a_bad_one(capsys):
+    from jlora.cli import build_parser, engine_kwargs
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--kv-cache-memory-fraction", "0.7", "hi"])
+    assert engine_kwargs(args)["kv_cache_memory_fraction"] == 0.7
+    assert engine_kwargs(parser.parse_args(["generate", "hi"]))["kv_cache_memory_fraction"] == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-cache-memory-fraction", "most"])
+    assert "--kv-cache-memory-fraction: must be 'auto' or a number" in capsys.readouterr().err
