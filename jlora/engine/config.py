@@ -72,8 +72,8 @@ class EngineConfig:
     # DoRA adapters (use_dora; jlora.adapters.dora): every slot pool gets a float32 factor per output
     # column ("M", [L, N, out]) and every LoRA projection of every step multiplies by it, DoRA rows
     # or not. Off (as vLLM's opt-in LoRA features): no "M", no factor in any graph, and DoRA adapters
-    # are refused by name. On a v5e chip the factor took LoRA's cost in a plain mixed batch from
-    # 3.2-6.2% to 10.6-10.7% of the step (docs/tpu.md).
+    # are refused by name. On a v5e chip LoRA's cost in a plain mixed batch rose from 3.2-6.2% to
+    # 10.6-10.7% when every engine carried the factor; likely the factor, not isolated (docs/tpu.md).
     enable_dora: bool = False
     max_cpu_loras: int | None = None  # host cache of converted adapters; None = default_max_cpu_loras(max_loras)
     lora_impl: str = "auto"
