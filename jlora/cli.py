@@ -54,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-impl", default=d["lora_impl"], choices=list(LORA_IMPLS), help="LoRA kernel")
     p.add_argument("--enable-embedding-lora", action="store_true",
                    help="serve adapters with LoRA on embed_tokens / lm_head (vocabulary-sized room in every slot)")
+    p.add_argument("--enable-dora", action="store_true",
+                   help="serve DoRA adapters (use_dora): a float32 factor per output column in every slot, "
+                        "multiplied in every LoRA step")
     p.add_argument("--attn-impl", default=d["attn_impl"], choices=list(ATTN_IMPLS),
                    help="paged attention: the Pallas TPU kernel (auto on one TPU device) or the XLA loop")
     p.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
@@ -138,8 +141,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   token_buckets=_buckets(args.token_buckets, "--token-buckets"),
                   lora_slot_ranks=_buckets(getattr(args, "lora_slot_ranks", None), "--lora-slot-ranks"),
                   enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
-    if getattr(args, "enable_embedding_lora", False):
-        kwargs["enable_embedding_lora"] = True
+    for flag in ("enable_embedding_lora", "enable_dora"):  # off unless given
+        if getattr(args, flag, False):
+            kwargs[flag] = True
     engine_config(**{k: v for k, v in kwargs.items() if k != "quantization"})  # ValueError naming the field
     for flag in ("tensor_parallel_size", "data_parallel_size"):
         value = getattr(args, flag, 1)

@@ -12,7 +12,7 @@ from jlora import LLM, LoRARequest, SamplingParams, compile_stats  # noqa: E402
 
 base, *adapters = sys.argv[1:]
 engine = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_loras=2, max_lora_rank=8,
-              token_buckets=(16, 32), progress=False)
+              token_buckets=(16, 32), progress=False, enable_dora=True)
 greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 prompts = ["Hello there", "Once upon a time", "1 2 3 4", "The cat"]
 reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapters)]

@@ -48,8 +48,15 @@ def test_shape_bytes_are_what_the_loader_builds(shapes, tmp_path, shape, quantiz
     assert want["embedding"] == embed
     untied = not shapes[shape]["tie_word_embeddings"]
     assert want["weights_read_per_step"] == got - (embed if untied else 0)
-    lora = jax.eval_shape(lambda: init_lora_state(model.cfg, 3, 8, jnp.bfloat16))
-    assert want["lora_slots"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lora))
+    from jlora.models.config import LORA_MODULES, VOCAB_MODULES
+
+    for dora, vocab in ((False, False), (True, False), (False, True), (True, True)):  # enable_dora, _embedding_lora
+        lora = jax.eval_shape(lambda: init_lora_state(model.cfg, 3, 8, jnp.bfloat16, dora=dora,
+                                                      modules=LORA_MODULES + (VOCAB_MODULES if vocab else ())))
+        got_slots = tpu_shapes.shape_bytes(shapes[shape], 2, quantization, max_loras=3, rank=8, dora=dora,
+                                           embedding_lora=vocab)["lora_slots"]
+        assert got_slots == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lora)), (dora, vocab)
+    assert want["lora_slots"] < got_slots  # the defaults count neither
     cache = jax.eval_shape(lambda: init_cache(model.cfg, 1, 1, jnp.bfloat16))
     assert want["kv_per_token"] == sum(x.size * x.dtype.itemsize for x in cache.values())
 

@@ -164,8 +164,11 @@ def test_feature_requests_are_scales_a_combination_and_dora(tmp_path):
             if k.endswith("lora_magnitude_vector")]
     assert len(mags) == 2 * cfg.num_hidden_layers and all(0.5 <= m.min() and m.max() <= 2.0 for m in mags)
     # planned like the other cases, with a reference of its own
-    assert chip_check.reference_key(case) != chip_check.reference_key(
-        {c["name"]: c for c in chip_check.default_cases(["smollm2"])}["smollm2 float32"])
+    plain_case = {c["name"]: c for c in chip_check.default_cases(["smollm2"])}["smollm2 float32"]
+    assert chip_check.reference_key(case) != chip_check.reference_key(plain_case)
+    # its engines (the chip's, and the reference's, built from the case with kwargs={}) serve DoRA
+    assert chip_check.case_engine_kwargs(dict(case, kwargs={}))["enable_dora"] is True
+    assert "enable_dora" not in chip_check.case_engine_kwargs(plain_case)
 
 
 @pytest.mark.slow  # two tiny engines and a CPU reference process: ~60 s on 2 cores

@@ -34,7 +34,7 @@ ADAPTERS = {
     "plain": dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj", "gate_proj"]),
 }
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, max_loras=2, max_lora_rank=MAX_RANK,
-              token_buckets=(16, 32))
+              token_buckets=(16, 32), enable_dora=True)
 
 
 def _spread(pm, b_scale: float, magnitude: tuple[float, float]) -> None:
@@ -98,11 +98,11 @@ def test_mixed_batch_logits_match_peft(tiny_dir, dora, lora_impl):
     _, paths, pm = dora
     cfg, tensors = read_hf_checkpoint(tiny_dir[0])
     jmodel = build_model(cfg, tensors)
-    state = init_lora_state(cfg, 4, MAX_RANK)
+    state = init_lora_state(cfg, 4, MAX_RANK, dora=True)
     slot_of = {"dora_part": 0, "plain": 1, "dora_all": 3}  # slot 2 stays empty
     for name, slot in slot_of.items():
-        state = set_slot(state, slot, padded_update(read_peft_adapter(paths[name], cfg, MAX_RANK), cfg, MAX_RANK),
-                         model=jmodel)
+        upd = padded_update(read_peft_adapter(paths[name], cfg, MAX_RANK), cfg, MAX_RANK, dora=True)
+        state = set_slot(state, slot, upd, model=jmodel)
     rows = ["dora_all", None, "plain", "dora_part", None, "dora_all"]
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(len(rows), 12)).astype(np.int32)
     positions = np.broadcast_to(np.arange(12, dtype=np.int32), tokens.shape)
@@ -139,11 +139,44 @@ def test_factor_uses_the_int8_weights_the_engine_multiplies_by():
     assert np.abs(want - (mag / np.linalg.norm(w + a @ b, axis=1) - 1))[1].max() > 1e-5  # int8 != float
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_factor_is_applied_in_the_compute_dtype(dtype):
+    """`lora_linear` scales y = x W + delta by its row's factor in y's dtype (bfloat16 on a TPU), as
+    y + y * M: within one bfloat16 step of y * (1 + M) computed exactly; float32 stays float32."""
+    from jlora.models.llama import lora_linear
+
+    rng = np.random.default_rng(0)
+    t, d_in, d_out, n, r = 64, 32, 48, 3, 4
+    dt = jax.numpy.dtype(dtype)
+    x = jax.numpy.asarray(rng.normal(size=(t, d_in)), dt)
+    w = jax.numpy.asarray(rng.normal(size=(d_in, d_out)) / np.sqrt(d_in), dt)
+    pool = {"A": jax.numpy.asarray(rng.normal(size=(n, d_in, r)) * 0.3, dt),
+            "B": jax.numpy.asarray(rng.normal(size=(n, r, d_out)) * 0.3, dt)}
+    mag = rng.uniform(-0.5, 0.5, size=(n, d_out)).astype(np.float32)
+    mag[1] = 0  # a plain adapter's slot
+    ids = jax.numpy.asarray(rng.integers(-1, n, size=t), jax.numpy.int32)
+    run = jax.jit(lambda p: lora_linear(x, w, p, ids, "gather"))
+    y0 = np.asarray(run(pool).astype(jax.numpy.float32), np.float64)  # without factors ("M")
+    got = run({**pool, "M": jax.numpy.asarray(mag)})
+    assert got.dtype == dt
+    ids_np = np.asarray(ids)
+    want = y0 * (1 + np.where((ids_np >= 0)[:, None], mag[np.maximum(ids_np, 0)], 0))
+    err = np.abs(np.asarray(got.astype(jax.numpy.float32), np.float64) - want)
+    assert (err <= (2.0 ** -7 if dtype == "bfloat16" else 1e-6) * np.abs(want) + 1e-6).all(), err.max()
+    eqns = jax.make_jaxpr(lambda p: lora_linear(x, w, p, ids, "gather"))({**pool, "M": jax.numpy.asarray(mag)}).eqns
+    muls = [e.outvars[0].aval.dtype for e in eqns if e.primitive.name == "mul" and e.outvars[0].aval.shape == (t, d_out)]
+    assert muls == [dt]  # the factor's one multiply of [T, out], in y's dtype
+    keep = (ids_np < 0) | (ids_np == 1)  # base rows and the plain slot: y exactly
+    np.testing.assert_array_equal(np.asarray(got.astype(jax.numpy.float32))[keep], y0[keep].astype(np.float32))
+
+
 def test_set_slot_refuses_dora_without_base_weights(tiny_dir, dora):
     _, paths, _ = dora
     cfg, _ = read_hf_checkpoint(tiny_dir[0])
-    upd = padded_update(read_peft_adapter(paths["dora_all"], cfg, MAX_RANK), cfg, MAX_RANK)
+    upd = padded_update(read_peft_adapter(paths["dora_all"], cfg, MAX_RANK), cfg, MAX_RANK, dora=True)
     with pytest.raises(ValueError, match="DoRA magnitudes; pass model="):
+        set_slot(init_lora_state(cfg, 2, MAX_RANK, dora=True), 0, upd)
+    with pytest.raises(ValueError, match=r"no 'M'.*dora=True"):  # a state made without DoRA factors
         set_slot(init_lora_state(cfg, 2, MAX_RANK), 0, upd)
 
 
@@ -224,9 +257,43 @@ def test_bad_dora_adapters_are_refused_and_the_engine_keeps_serving(tiny_dir, do
     llm.close()
 
 
-@pytest.mark.slow  # the real default model (SmolLM2-135M, tied embeddings)
-def test_real_model_dora_and_plain_rows_match_peft(real_llm, hf_real, tmp_path):
+def test_engine_without_enable_dora_holds_no_factors_and_refuses_dora_adapters(tiny_dir, dora):
+    import json
+
+    from safetensors.numpy import load_file
+
+    _, paths, pm = dora
+    llm = LLM(str(tiny_dir[0]), progress=False, **{**ENGINE, "enable_dora": False})
+    runner = llm.engine.runner
+    assert all(set(s) == {"A", "B"} for s in runner.lora_state.values())  # no "M": no factor in any graph
+    assert runner.lora.base is None  # nor the base weights a DoRA write would read
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts, plain = ["Hello there", "The cat"], LoRARequest("plain", 3, str(paths["plain"]))
+    before = compile_stats.compile_count()
+    outs = llm.generate(prompts, greedy, [plain, None])
+    for o, name in zip(outs, ["plain", None]):  # plain and base rows as peft has them
+        assert o.outputs[0].token_ids == _peft_greedy(pm, list(o.prompt_token_ids), name, 8), name
+    want = [o.outputs[0].token_ids for o in outs]
+    dora_dir = paths["dora_all"]
+    in_memory = LoRARequest("dora_mem", 5, tensors=load_file(str(dora_dir / "adapter_model.safetensors")),
+                            config=json.loads((dora_dir / "adapter_config.json").read_text()))
+    for req in (LoRARequest("dora_all", 1, str(dora_dir)), in_memory):
+        with pytest.raises(ValueError, match=rf"'{req.lora_name}'.*DoRA adapter.*enable_dora=True.*--enable-dora"):
+            llm.generate(prompts, greedy, [req, None])
+        with pytest.raises(ValueError, match="enable_dora=True"):
+            llm.engine.adapters.prepare(req)  # the server's load path
+    assert "dora_all" not in llm.engine.adapters.list_adapters()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, [plain, None])] == want
+    assert compile_stats.compile_count() == before
+    llm.close()
+
+
+@pytest.mark.slow  # the real default model (SmolLM2-135M, tied embeddings), an engine of its own
+def test_real_model_dora_and_plain_rows_match_peft(hf_real, tmp_path):
+    from conftest import TEST_ENGINE
+
     model, _ = hf_real
+    real_llm = LLM(progress=False, enable_dora=True, **TEST_ENGINE)
     specs = {"dora": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True),
              "plain": dict(r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"])}
     for i, (name, spec) in enumerate(specs.items()):
@@ -260,6 +327,7 @@ def test_real_model_dora_and_plain_rows_match_peft(real_llm, hf_real, tmp_path):
                 assert o.outputs[0].token_ids == hf_greedy(pm, ids), n
             finally:
                 pm.unload()
+    real_llm.close()
 
 
 @pytest.mark.slow  # two engines in a subprocess with 2 forced CPU devices
@@ -300,3 +368,16 @@ def test_int8_engine_takes_the_norm_of_its_int8_weights(tiny_dir, dora):
     want = ad.magnitudes["o_proj"] / np.linalg.norm(np.swapaxes(wq, 1, 2) + a @ b, axis=1) - 1
     np.testing.assert_allclose(np.asarray(runner.lora_state["o_proj"]["M"][:, slot]), want, rtol=1e-4, atol=1e-5)
     llm.close()
+
+
+def test_option_is_off_by_default_and_reaches_llm_from_the_cli(cli_llm_kwargs):
+    from jlora.engine.config import EngineConfig
+
+    assert EngineConfig().enable_dora is False
+    with pytest.raises(ValueError, match="enable_dora must be a bool"):
+        EngineConfig(enable_dora="yes")
+    generate, serve = cli_llm_kwargs
+    assert generate(["--enable-dora"])["enable_dora"] is True
+    assert "enable_dora" not in generate([])  # LLM's default (off)
+    assert serve(["--enable-dora"])["enable_dora"] is True
+    assert serve([])["enable_dora"] is False

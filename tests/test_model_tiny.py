@@ -173,7 +173,7 @@ def test_where_lora_is_sliced_or_skipped_changes_nothing():
     cfg = LlamaConfig.preset("tiny")
     m = Llama(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(3)
-    state = init_lora_state(cfg, max_loras=2, max_rank=4)
+    state = init_lora_state(cfg, max_loras=2, max_rank=4, dora=True)
     # Plain adapters (DoRA factors "M" zero): bit for bit below. DoRA factors: to float32 rounding
     # (XLA:CPU fuses the factor's multiply differently without the conditional).
     dora = jax.tree.map(lambda z: jnp.asarray(rng.normal(size=z.shape) * 0.1, z.dtype), state)
@@ -197,6 +197,8 @@ def test_where_lora_is_sliced_or_skipped_changes_nothing():
     first = got["inside"]
     assert not np.allclose(first[0], first[1])  # the slots are read
     np.testing.assert_array_equal(first[2][:4], first[0][:4])  # a row without an adapter reads none
+    lora = {k: {n: a for n, a in v.items() if n != "M"} for k, v in dora.items()}  # slots without enable_dora
+    np.testing.assert_array_equal(logits([0, 1]), first[1])  # zero factors: the step without them, bit for bit
     lora = dora
     with_dora = {v: [logits([0, 1], v != "no skip", TuningOptions(lora_slices="before" if v == "before" else "inside"))]
                  for v in ("inside", "before", "no skip")}

@@ -35,9 +35,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def lora_root(tiny_adapters, tmp_path_factory) -> Path:
+def lora_root(tiny_dir, tiny_adapters, tmp_path_factory) -> Path:
+    from jlora.bench.chip_check import write_dora_adapter
+    from jlora.models.loading import read_model_config
+
     root = tmp_path_factory.mktemp("lora_root")
     shutil.copytree(tiny_adapters[8], root / "good")
+    write_dora_adapter(read_model_config(tiny_dir[0]), root)  # root / "dora-qv-r8": the server has no enable_dora
     (root / "broken").mkdir()
     (root / "broken" / "adapter_config.json").write_text("{not json")
     (root / "broken" / "adapter_model.safetensors").write_bytes(b"\x00" * 16)
@@ -255,6 +259,8 @@ def test_runtime_adapter_loading_is_confined_to_the_lora_root(live, lora_root, t
         assert err["param"] == "lora_path", (path, err)
     err = _error(load("x", "broken"), 400)
     assert "broken" in err["message"] or "malformed" in err["message"]
+    err = _error(load("d", "dora-qv-r8"), 400)  # a DoRA adapter, on a server started without --enable-dora
+    assert err["param"] == "lora_path" and "enable_dora=True" in err["message"] and "--enable-dora" in err["message"]
     _error(load("../x", "good"), 400)  # names are plain too
     assert "x" not in {m.id for m in live.client().models.list().data}
 

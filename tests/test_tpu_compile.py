@@ -47,6 +47,21 @@ def test_step_graphs_for_v5e_copy_neither_the_cache_nor_a_weight():
 
 
 @needs_libtpu
+@pytest.mark.slow  # ~2.5 min on 2 cores: two LoRA step graphs compiled by XLA:TPU
+@pytest.mark.parametrize("option", ["enable_dora", "enable_embedding_lora"])
+def test_opt_in_lora_options_copy_neither_the_cache_nor_a_weight(option):
+    """An engine with DoRA's factors (a multiply of every LoRA projection) or with the embedding /
+    head LoRA conditionals: its LoRA graphs, prefill and decode, copy no KV cache and no weight."""
+    report = tpu_compile.run_isolated(["--shape", "tiny", "--shape-overrides", LANE_ALIGNED,
+                                       "--" + option.replace("_", "-"), "--graphs", "64-1-1024-lora,64-0-0-lora"])
+    assert report["options"] == {o: o == option for o in tpu_compile.OPT_IN_OPTIONS}
+    assert sorted(g["graph"] for g in report["graphs"]) == ["64-0-0-lora", "64-1-1024-lora"]
+    for g in report["graphs"]:
+        assert g["whole_cache_copies"] == [], g["graph"]
+        assert g["weight_copies"] == [], g["graph"]
+
+
+@needs_libtpu
 @pytest.mark.slow
 def test_default_model_shape_keeps_its_cache_layout_on_a_tpu():
     """SmolLM2-135M's cache rows are 3 KV heads x 64 = 192 lanes: XLA:TPU copied the whole cache

@@ -94,12 +94,13 @@ class HostStore:
 
     def __init__(self, model_cfg: LlamaConfig, max_lora_rank: int, max_cpu_loras: int, dtype: object,
                  modules: tuple[str, ...], max_cpu_lora_bytes: int | None, disk_cache: bool | str | os.PathLike,
-                 lock: threading.RLock, stats: collections.Counter):
+                 lock: threading.RLock, stats: collections.Counter, dora: bool = False):
         self.model_cfg = model_cfg
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         self.modules = tuple(modules)
+        self.dora = dora  # the slots hold DoRA factors; without it a DoRA adapter is refused by `convert`
         self._storage_dtype = quant.storage_dtype(dtype)
         self._lock = lock
         self.stats = stats
@@ -167,7 +168,8 @@ class HostStore:
         """Read (disk cache) or convert `req`'s adapter, check it fits and pad it to the slot shape;
         needs no lock, and runs on the thread that prepares (the worker, for `prepare_async`)."""
         adapter = self.read_source(version, req)
-        update = padded_update(adapter, self.model_cfg, self.max_lora_rank, self.modules, self.dtype)  # checks fit
+        update = padded_update(adapter, self.model_cfg, self.max_lora_rank, self.modules, self.dtype,
+                               dora=self.dora)  # checks fit
         update = {m: {k: _as_dtype(x, np.float32 if k == "M" else self._storage_dtype) for k, x in u.items()}
                   for m, u in update.items()}
         self._count("disk_loads")

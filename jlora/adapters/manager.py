@@ -104,8 +104,11 @@ class AdapterManager:
         max_cpu_lora_bytes: int | None = None,
         disk_cache: bool | str | os.PathLike = False,
         slot_ranks: Sequence[int] | None = None,
+        dora: bool = False,
     ):
-        """`max_cpu_loras` (default `default_max_cpu_loras(max_loras)`, as the engine's) and `max_cpu_lora_bytes` (default: no bound) bound the
+        """`dora`: the slots hold DoRA factors (`EngineConfig.enable_dora`); without it a DoRA adapter
+        is refused when prepared, naming the option.
+        `max_cpu_loras` (default `default_max_cpu_loras(max_loras)`, as the engine's) and `max_cpu_lora_bytes` (default: no bound) bound the
         host LRU cache of converted adapters; `disk_cache` is False (off), True (the default directory,
         `jlora.adapters.disk_cache.default_cache_dir()`) or a directory."""
         for name, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
@@ -125,6 +128,7 @@ class AdapterManager:
                              f"entries of at most max_lora_rank={max_lora_rank}")
         self.dtype = dtype
         self.modules = tuple(modules)
+        self.dora = bool(dora)
         self._slots: list[_Slot | None] = [None] * max_loras
         self._writes: dict[int, SlotWrite] = {}  # slot -> its queued write (take_writes)
         self._current: dict[str, _Version] = {}  # name -> its newest version seen
@@ -138,7 +142,7 @@ class AdapterManager:
         # host_evictions, disk_cache_hits / _misses / _rebuilds, slot_hits, slot_writes (queued), evictions
         self.stats = collections.Counter()
         self.host = HostStore(model_cfg, max_lora_rank, max_cpu_loras, dtype, self.modules, max_cpu_lora_bytes,
-                              disk_cache, lock=self._lock, stats=self.stats)
+                              disk_cache, lock=self._lock, stats=self.stats, dora=self.dora)
 
     # ---- cache settings -------------------------------------------------------------------------------
 

@@ -138,16 +138,19 @@ class LoRAAdapter:
             m.nbytes for m in self.magnitudes.values())
 
     def validate(self, model_cfg: LlamaConfig, max_lora_rank: int | None = None,
-                 holds: Sequence[str] | None = None) -> None:
+                 holds: Sequence[str] | None = None, dora: bool | None = None) -> None:
         """Raise ValueError unless every array fits `model_cfg`, the modules are known (and in `holds`,
-        the modules an engine's LoRA state holds, when given) and ranks fit `max_lora_rank`."""
-        from jlora.models.config import check_lora_fit
+        the modules an engine's LoRA state holds, when given), ranks fit `max_lora_rank` and, with
+        `dora` False (an engine without DoRA factors), the adapter is not a DoRA adapter."""
+        from jlora.models.config import check_dora_fit, check_lora_fit
 
         where = f"adapter {self.name!r}" + (f" ({self.source})" if self.source else "")
         if set(self.ranks) != set(self.weights):
             raise ValueError(f"adapter {self.name!r}: ranks name modules {sorted(self.ranks)} but weights "
                              f"name {sorted(self.weights)}")
         check_lora_fit(where, self.ranks, max_lora_rank, holds)
+        if dora is not None:
+            check_dora_fit(where, self.is_dora, dora)
         shapes = {**model_cfg.module_shapes(), **model_cfg.vocab_shapes()}
         for m, (a, b) in self.weights.items():
             d_in, d_out = shapes[m]

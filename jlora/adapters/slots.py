@@ -5,8 +5,9 @@ All slots live in one fixed-shape pytree (docs/engine.md, "The rooms of a step")
 
     lora_state[packed module] = {"A": [L, N, in, S*R], "B": [L, N, R, out], "M": f32[L, N, out]}
 
-("M": each slot's DoRA factor minus one per output column, computed by `set_slot` from a DoRA
-adapter's magnitudes and the base weights, zeros otherwise; jlora.adapters.dora.)
+("M", only in an engine with `enable_dora`: each slot's DoRA factor minus one per output column,
+computed by `set_slot` from a DoRA adapter's magnitudes and the base weights, zeros otherwise;
+jlora.adapters.dora. Without it the state has no "M" and DoRA adapters are refused.)
 
 `padded_update` lays an adapter's per-module (PEFT) weights out that way: sub-module s's A in
 lanes [s*R, s*R + r), its B in rows [0, r) of its own output columns, zeros elsewhere.
@@ -137,7 +138,7 @@ def _checked_write(lora_state: LoRAState, slot: Any, update: dict) -> tuple[Any,
             upd[m]["M"] = _as_dtype(u["M"], jnp.float32) if "M" in u else np.full(want_m, np.nan, np.float32)
         elif "M" in u and np.any(~np.isnan(np.asarray(u["M"]))):
             raise ValueError(f"set_slot: update[{m!r}] carries DoRA magnitudes but lora_state[{m!r}] has no 'M' "
-                             f"(DoRA factor) array; make the state with init_lora_state")
+                             f"(DoRA factor) array; make the state with init_lora_state(..., dora=True)")
     return slot, upd
 
 
@@ -158,22 +159,24 @@ def padded_update(
     max_rank: int,
     modules: tuple[str, ...] = LORA_MODULES,
     dtype: Any = np.float32,
+    dora: bool = False,
 ) -> dict[str, dict[str, np.ndarray]]:
     """Host arrays for `set_slot`: the packed layout of the LoRA state holding PEFT `modules`.
 
-    Per packed module {"A": [L, in, S*R], "B": [L, R, out], "M": f32[L, out]} with R = `max_rank`:
-    sub-module s (q, k, v of `qkv_proj`; gate, up of `gate_up_proj`) has its A in lanes
-    [s*R, s*R + r) and its B in rows [0, r) of its own output columns; what the adapter does not
-    target stays zero. "M" holds a DoRA adapter's magnitudes in the same columns, NaN elsewhere
-    (and everywhere for a plain adapter). embed_tokens / lm_head (in `modules`: an engine with
-    enable_embedding_lora) are {"A": [1, in, R], "B": [1, R, out]}, the adapter's in lanes [0, r).
-    `adapter=None` gives all zeros (an empty slot).
+    Per packed module {"A": [L, in, S*R], "B": [L, R, out]} with R = `max_rank`, and with `dora`
+    (a state made with `init_lora_state(..., dora=True)`) "M": f32[L, out]: sub-module s (q, k, v
+    of `qkv_proj`; gate, up of `gate_up_proj`) has its A in lanes [s*R, s*R + r) and its B in rows
+    [0, r) of its own output columns; what the adapter does not target stays zero. "M" holds a DoRA
+    adapter's magnitudes in the same columns, NaN elsewhere (and everywhere for a plain adapter);
+    without `dora` a DoRA adapter is refused (ValueError naming enable_dora). embed_tokens /
+    lm_head (in `modules`: an engine with enable_embedding_lora) are {"A": [1, in, R], "B": [1, R,
+    out]}, the adapter's in lanes [0, r). `adapter=None` gives all zeros (an empty slot).
     """
     shapes = model_cfg.packed_shapes()
     L = model_cfg.num_hidden_layers
     dtype = np.dtype(dtype)
     if adapter is not None:
-        adapter.validate(model_cfg, max_rank, holds=tuple(modules))
+        adapter.validate(model_cfg, max_rank, holds=tuple(modules), dora=dora)
     out = {}
     for f in lora_state_modules(modules):
         if f in VOCAB_MODULES:
@@ -198,7 +201,7 @@ def padded_update(
                 if m in adapter.magnitudes:
                     mag[:, col: col + width] = adapter.magnitudes[m]
             col += width
-        out[f] = {"A": a, "B": b, "M": mag}
+        out[f] = {"A": a, "B": b, **({"M": mag} if dora else {})}
     return out
 
 
@@ -240,9 +243,11 @@ class LoRASlots:
 
     def __init__(self, model_cfg: LlamaConfig, max_loras: int, max_lora_rank: int, dtype: Any = jnp.float32,
                  modules: tuple[str, ...] = LORA_MODULES, tp: TensorParallel | None = None,
-                 slot_ranks: Sequence[int] | None = None, base: dict[str, Any] | None = None):
-        # `base`: packed module -> the base weight as the step reads it ([L, in, out], or a QArray),
-        # for DoRA's norm (jlora.adapters.dora); without it a DoRA write is refused.
+                 slot_ranks: Sequence[int] | None = None, base: dict[str, Any] | None = None,
+                 dora: bool = False):
+        # `dora`: the slots hold DoRA factors ("M", `init_lora_state`); `base`: packed module -> the
+        # base weight as the step reads it ([L, in, out], or a QArray), for DoRA's norm
+        # (jlora.adapters.dora); without it a DoRA write is refused. Without `dora` it is not kept.
         # Under tensor parallelism (`tp`) each slot array is sharded like its base layer and every
         # shard is written in place on its own device (jlora.models.tensor_parallel).
         self.tp = tp
@@ -257,17 +262,20 @@ class LoRASlots:
                 self.pools[-1] = (first, n + 1, r)
             else:
                 self.pools.append((i, 1, r))
+        self.dora = dora
         self._states = [self._zeros(model_cfg, n, r, dtype, tuple(modules)) for _, n, r in self.pools]
-        self.base = None if base is None else {m: base[m] for m in self._states[0] if m not in VOCAB_MODULES}
+        self.base = (None if base is None or not dora
+                     else {m: base[m] for m in self._states[0] if m not in VOCAB_MODULES})
         self.splits = packed_splits(model_cfg) if tp is None else packed_splits(tp.layout_cfg, tp.size)
         self.num_writes = 0
         self._writes: list[Any] = [None] * len(self.pools)  # each pool's compiled set_slot (warmup, or first write)
 
     def _zeros(self, model_cfg: LlamaConfig, n: int, rank: int, dtype: Any, modules: tuple[str, ...]) -> LoRAState:
         if self.tp is None:
-            return init_lora_state(model_cfg, n, rank, quant.storage_dtype(dtype), modules, zeros=host_zeros)
+            return init_lora_state(model_cfg, n, rank, quant.storage_dtype(dtype), modules, zeros=host_zeros,
+                                   dora=self.dora)
         shapes = init_lora_state(self.tp.layout_cfg, n, rank, quant.storage_dtype(dtype), modules,
-                                 zeros=jax.ShapeDtypeStruct)
+                                 zeros=jax.ShapeDtypeStruct, dora=self.dora)
         return {m: {k: self.tp.zeros(v.shape, v.dtype, lora_spec(m, k, self.tp.size)) for k, v in s.items()}
                 for m, s in shapes.items()}
 

@@ -43,7 +43,8 @@ def peft_config(config: Mapping[str, Any] | Any) -> dict[str, Any]:
         raise ValueError("config: target_modules is required (a list of module names, a regex or 'all-linear')")
     _check_config(cfg, "config")
     if cfg.get("use_dora"):  # served (jlora.adapters.dora), not trained: no magnitude parameters here
-        raise ValueError("config: use_dora=True: training DoRA adapters is not supported (serving them is)")
+        raise ValueError("config: use_dora=True: training DoRA adapters is not supported (serving them is, "
+                         "with enable_dora=True)")
     return cfg
 
 
@@ -102,11 +103,12 @@ def lora_params_from_adapter(adapter: LoRAAdapter, model_cfg: LlamaConfig, rank:
     """A converted adapter (e.g. `read_peft_adapter`) as a one-adapter training pytree (N=1)."""
     from jlora.adapters.slots import padded_update
 
+    if adapter.is_dora:  # its magnitudes have no place in these parameters: trained on as plain, they would be lost
+        raise ValueError(f"adapter {adapter.name!r} is a DoRA adapter: training DoRA adapters is not supported "
+                         f"(serving them is, with enable_dora=True)")
     rank = adapter.rank if rank is None else rank
-    update = padded_update(adapter, model_cfg, rank, tuple(adapter.weights), np.float32)
-    # "M" (DoRA magnitudes, NaN where an adapter has none) is the slot write's input, not a trained
-    # parameter: DoRA is served, not trained here.
-    return {f: {k: jnp.asarray(v[:, None], dtype) for k, v in ab.items() if k != "M"} for f, ab in update.items()}
+    update = padded_update(adapter, model_cfg, rank, tuple(adapter.weights), np.float32)  # {"A", "B"} per module
+    return {f: {k: jnp.asarray(v[:, None], dtype) for k, v in ab.items()} for f, ab in update.items()}
 
 
 def peft_tensors(params: LoRAState, model_cfg: LlamaConfig, config: Mapping[str, Any] | Any,

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         from jlora.models.loading import load_model
 
         base = load_model(None)[0].layers.weights()
-    slots = LoRASlots(cfg, args.slots, args.max_lora_rank, base=base)  # the slot arrays a ModelRunner holds
+    slots = LoRASlots(cfg, args.slots, args.max_lora_rank, base=base, dora=args.dora)  # as a ModelRunner's
     slots.warmup()  # compiles set_slot once
     state_mb = sum(x.nbytes for x in jax.tree.leaves(slots.state)) / 1e6
     print(f"lora_state: {args.slots} slots x rank {args.max_lora_rank}, {state_mb:.0f} MB")
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             for k in range(args.repeats):
                 t = time.perf_counter()
                 adapter = read_adapter(path, cfg, args.max_lora_rank)
-                update = padded_update(adapter, cfg, args.max_lora_rank)
+                update = padded_update(adapter, cfg, args.max_lora_rank, dora=args.dora)
                 host.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 slots.write([SlotWrite(k % args.slots, update)])  # the runner's way in: the compiled write

@@ -486,10 +486,16 @@ def reference_key(case: dict[str, Any]) -> str:
     return json.dumps(key, sort_keys=True)
 
 
+def case_engine_kwargs(case: dict[str, Any]) -> dict[str, Any]:
+    """The case's LLM() sizes and keyword arguments; an "adapter features" case's engine (the chip's
+    and its CPU reference's) is built with enable_dora=True, for its DoRA requests."""
+    return dict(case["sizes"], **case["kwargs"], **({"enable_dora": True} if case.get("features") else {}))
+
+
 def build_llm(path: Path, case: dict[str, Any], dtype: str, **extra: Any) -> Any:
     from jlora import LLM
 
-    kw = dict(case["sizes"], **case["kwargs"], **extra)
+    kw = dict(case_engine_kwargs(case), **extra)
     return LLM(str(path), dtype=dtype, quantization=case.get("quantization"), progress=False,
                executable_cache=False, kv_cache_dtype=case.get("kv_cache_dtype", "auto"), **kw)
 
@@ -673,7 +679,7 @@ def run_check(names: Sequence[str], out: Path, workdir: Path, model: Path | None
         for case in cases:
             name = case["name"]
             t0 = time.perf_counter()
-            print(f"check {name}: {json.dumps(dict(case['sizes'], **case['kwargs']))}", flush=True)
+            print(f"check {name}: {json.dumps(case_engine_kwargs(case))}", flush=True)
             try:
                 llm = build_llm(paths[case["model"]], case, case["dtype"])
                 loras = _loras(*adapters[name])

@@ -11,8 +11,9 @@ than whole `generate` runs (`jlora bench lora-cost`), which also include prefill
 
 `--slot-ranks`: engines whose 4 slots have these ranks (`lora_slot_ranks`; "uniform": rank 32 each).
 
-`--dora-packages jlora`: for these packages also an engine whose 4 adapters are DoRA adapters
-(the same ranks, `use_dora`), so "mixed" there is a batch of DoRA rows (jlora.adapters.dora).
+`--dora-packages jlora`: for these packages also an engine with `enable_dora=True` whose 4
+adapters are DoRA adapters (the same ranks, `use_dora`), so "mixed" there is a batch of DoRA rows
+(jlora.adapters.dora); the other engines are built without the option (no DoRA factors).
 
 `--packages jlora,jlora_old` times several copies of jlora in one process, calls interleaved
 (an older checkout copied under another package name, e.g. `git archive REV jlora` with every
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = mod.LLM(max_model_len=256, max_num_seqs=args.rows, max_num_batched_tokens=256, max_loras=4,
                       max_lora_rank=max(RANKS), lora_impl=args.lora_impl, progress=False,
                       decode_row_buckets=(args.rows,), **MODES[mode],
-                      **({} if ranks is None else {"lora_slot_ranks": ranks}))
+                      **({} if ranks is None else {"lora_slot_ranks": ranks}), **({"enable_dora": True} if dora else {}))
         eng = llm.engine
         paths = paths or write_adapters(root, eng.adapters.model_cfg)
         if dora:

@@ -2,8 +2,8 @@
 
 The SmolLM2-135M decoder's forward + logits over 16 decode tokens at ~48 cached positions, 4 adapters
 of ranks 8/16/8/32 on every linear layer in 4 slots of rank 32, round-robin, lora_impl auto, float32:
-  no_M:  the slots without their "M" (DoRA factor) arrays: the state before DoRA existed;
-  plain: the same slots with "M" (all zeros: plain adapters, factor exactly 1);
+  no_M:  the slots without "M" (DoRA factor) arrays: an engine without `enable_dora` (the default);
+  plain: the same adapters in slots with "M" (`enable_dora=True`; all zeros: factor exactly 1);
   dora:  the same 4 adapters as DoRA adapters, magnitudes = their columns' norms x U(0.9, 1.1).
 Calls interleaved; medians and minima of `--reps` calls. Less affected by which engine holds which
 memory than `jlora bench decode-step --dora-packages jlora` (three engines side by side).
@@ -58,13 +58,14 @@ def main(argv: list[str] | None = None) -> int:
 
     states = {}
     for dora in (False, True):
-        slots = LoRASlots(cfg, 4, 32, base=model.layers.weights())
+        slots = LoRASlots(cfg, 4, 32, base=model.layers.weights(), dora=True)  # the slots of enable_dora=True
         paths = write_adapters(root, cfg, dora=dora)
         for path in paths if dora else ():
             realistic_magnitudes(path)
-        slots.write([SlotWrite(i, padded_update(read_peft_adapter(p, cfg, 32), cfg, 32)) for i, p in enumerate(paths)])
+        slots.write([SlotWrite(i, padded_update(read_peft_adapter(p, cfg, 32), cfg, 32, dora=True))
+                     for i, p in enumerate(paths)])
         states["dora" if dora else "plain"] = slots.state
-    states["no_M"] = {m: {k: v for k, v in s.items() if k != "M"} for m, s in states["plain"].items()}
+    states["no_M"] = {m: {k: v for k, v in s.items() if k != "M"} for m, s in states["plain"].items()}  # option off
     t = 16
     graphdef, params = nnx.split(model)
     cache, tokens, group, slot_ids = decode_inputs(cfg, t)

@@ -1,6 +1,7 @@
 """`jlora bench tpu-compile`: jlora's step graphs compiled for a TPU v5e chip on a machine without one.
 
     python -m jlora.bench.tpu_compile --shape tiny [--out report.json] [--hlo-dir DIR]
+                                      [--enable-dora] [--enable-embedding-lora]
 
 libtpu compiles for a described chip without the chip (JAX's compile-only topologies), so what
 XLA:TPU makes of the serving step can be checked on a CPU machine, in CI too: per step graph, the
@@ -33,6 +34,7 @@ from typing import Any, Iterator
 COMPILE_ONLY_ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost",
                     "TPU_SKIP_MDS_QUERY": "1"}
 LIBTPU_DIR = Path(sys.prefix) / "libtpu"  # where `make install-test` puts the wheel
+OPT_IN_OPTIONS = ("enable_dora", "enable_embedding_lora")  # LLM() options that add to the step graphs
 
 
 def compile_only_device(topology: str = "v5e:1x1") -> Any:
@@ -173,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hlo-dir", default=None, help="write each compiled graph's HLO here")
     p.add_argument("--graphs", default=None, help="comma-separated graph names (R-P-Q-lora|base); default all")
     p.add_argument("--lora-cond", default="auto", choices=["auto", "pass", "inside"])
+    for option in OPT_IN_OPTIONS:
+        p.add_argument("--" + option.replace("_", "-"), action="store_true", help=f"an engine with {option}=True")
     p.add_argument("--topology", default="v5e:1x1")
     args = p.parse_args(argv)
     import tempfile
@@ -188,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         SHAPES[shape] = {**SHAPES[args.shape], **json.loads(args.shape_overrides)}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.dir or tmp) / f"ckpt-{shape}"
-        llm = build_llm(shape, ckpt, args.lora_cond)
+        llm = build_llm(shape, ckpt, args.lora_cond, **{o: getattr(args, o) for o in OPT_IN_OPTIONS})
+        options = {o: getattr(llm.config, o) for o in OPT_IN_OPTIONS}  # as the engine holds them
         cond = llm.config.tuning.resolved_lora_cond("tpu")
         rows = compile_step_graphs(llm, device, set(args.graphs.split(",")) if args.graphs else None,
                                    Path(args.hlo_dir) if args.hlo_dir else None)
     report = dict(jax=jax.__version__, device=str(device), shape=shape, config=SHAPES[shape], lora_cond=cond,
+                  options=options,
                   cache_shape=list(llm.engine.runner.cache["k"].shape), graphs=rows)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

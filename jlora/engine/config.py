@@ -69,6 +69,12 @@ class EngineConfig:
     # ([V, R] + [R, V] per slot: 102 MB more for SmolLM2's 4 slots of rank 64 in float32), and steps
     # whose rows have such an adapter add the per-row deltas. Off: such adapters are refused by name.
     enable_embedding_lora: bool = False
+    # DoRA adapters (use_dora; jlora.adapters.dora): every slot pool gets a float32 factor per output
+    # column ("M", [L, N, out]) and every LoRA projection of every step multiplies by it, DoRA rows
+    # or not. Off (as vLLM's opt-in LoRA features): no "M", no factor in any graph, and DoRA adapters
+    # are refused by name. On a v5e chip LoRA's cost in a plain mixed batch rose from 3.2-6.2% to
+    # 10.6-10.7% when every engine carried the factor; likely the factor, not isolated (docs/tpu.md).
+    enable_dora: bool = False
     max_cpu_loras: int | None = None  # host cache of converted adapters; None = default_max_cpu_loras(max_loras)
     lora_impl: str = "auto"
     block_size: int = 16  # KV cache positions per block
@@ -147,6 +153,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.base_graphs must be one of {BASE_GRAPHS}, got {self.base_graphs!r}")
         if not isinstance(self.enable_embedding_lora, bool):
             raise ValueError(f"EngineConfig.enable_embedding_lora must be a bool, got {self.enable_embedding_lora!r}")
+        if not isinstance(self.enable_dora, bool):
+            raise ValueError(f"EngineConfig.enable_dora must be a bool, got {self.enable_dora!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"EngineConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.max_overtakes, int) or self.max_overtakes < 0:

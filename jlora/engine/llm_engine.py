@@ -95,7 +95,8 @@ class LLMEngine(Closable):
         self.runner = ModelRunner(model, config, eos_token_id, devices)
         self.adapters = AdapterManager(model.cfg, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                                        max_cpu_loras=config.max_cpu_loras, dtype=model.dtype,
-                                       slot_ranks=config.slot_ranks, modules=config.lora_modules)
+                                       slot_ranks=config.slot_ranks, modules=config.lora_modules,
+                                       dora=config.enable_dora)
         self.scheduler = Scheduler(config, self.adapters)
         self.scheduler.can_run = self.runner.can_run
         self.output = OutputProcessor(config.max_model_len, eos_token_id)

@@ -265,13 +265,14 @@ class ModelRunner(GraphCompiler):
         kvh, dh = self.layout_cfg.num_key_value_heads, self.layout_cfg.head_dim
         self.cache_lanes = cache_lanes(kvh, dh) if self.attn_impl == "pallas" else kvh * dh  # a cache row
         self.cache = self._zero_cache()
-        # The placed base weights go to the slots too: a DoRA write takes its norm of them.
         if config.enable_embedding_lora and self.tp.size > 1:
             raise ValueError(f"enable_embedding_lora=True is not supported with tensor parallelism "
                              f"(tensor_parallel_size={self.tp.size}): the embedding / head LoRA slots are not sharded")
+        # With enable_dora the placed base weights go to the slots too: a DoRA write takes its norm of them.
+        base = nnx.merge(self.graphdef, self.state).layers.weights() if config.enable_dora else None
         self.lora = LoRASlots(self.cfg, config.max_loras, config.max_lora_rank, model.dtype, tp=self.tp,
-                              slot_ranks=config.slot_ranks, modules=config.lora_modules,
-                              base=nnx.merge(self.graphdef, self.state).layers.weights())
+                              slot_ranks=config.slot_ranks, modules=config.lora_modules, dora=config.enable_dora,
+                              base=base)
         shardings = None
         if self.tp.size > 1 or jax.process_count() > 1:  # outputs replicated; the cache keeps its sharding
             shardings = dict(out_shardings=(self.tp.replicated, self.tp.replicated,
@@ -320,7 +321,7 @@ class ModelRunner(GraphCompiler):
                           scale_zeros=lambda shape, dtype: self.tp.zeros(shape, dtype, CACHE_SCALE_SPEC))
 
     @property
-    def lora_state(self):  # packed module -> {"A": [L, N, in, S*R], "B": [L, N, R, out], "M": [L, N, out]}; per pool
+    def lora_state(self):  # module -> {"A": [L, N, in, S*R], "B": [L, N, R, out], "M" (enable_dora): [L, N, out]}; per pool
         return self.lora.state
 
     def write_slots(self, writes: tuple[SlotWrite, ...]) -> None:

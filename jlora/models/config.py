@@ -31,6 +31,17 @@ MODULE_PARENT: dict[str, str] = {  # module -> its parent block in HF Llama nami
 # by an engine's LoRA state only with `EngineConfig.enable_embedding_lora` (vocabulary-sized slots).
 VOCAB_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 EMBEDDING_LORA_OPTION = "enable_embedding_lora"  # what a refusal names
+# DoRA adapters (use_dora) are served only by an engine with `EngineConfig.enable_dora`: their
+# per-column factor is a slot array "M" and a multiply in every LoRA projection of every step.
+DORA_OPTION = "enable_dora"  # what a refusal names
+
+
+def check_dora_fit(where: str, is_dora: bool, enabled: bool) -> None:
+    """ValueError naming `where` and the option when a DoRA adapter meets an engine without DoRA."""
+    if is_dora and not enabled:
+        raise ValueError(f"{where} is a DoRA adapter (use_dora=True); this engine holds no DoRA factors: turn "
+                         f"them on with {DORA_OPTION}=True (LLM({DORA_OPTION}=True), --enable-dora). Off by "
+                         f"default: the per-column factor costs every LoRA step")
 
 
 def check_lora_fit(

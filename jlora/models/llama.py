@@ -146,15 +146,18 @@ def lora_linear(
             a, b = quant.widen(a), quant.widen(b)  # bf16 slots travel as bits on XLA:CPU
             m = None if mix is None else mix[:, first:first + n]  # this pool's columns
             out = out + lora_delta(x, a, b, ids, impl=lora_impl, splits=splits, scale=scale, mix=m).astype(y.dtype)
-            if "M" in pool:  # DoRA: this pool's rows scale base + delta by 1 + M[slot] (jlora.adapters.dora);
-                # scaled and combined requests never name a DoRA adapter (refused when added)
+            if "M" in pool:  # DoRA (enable_dora): this pool's rows scale base + delta by 1 + M[slot]
+                # (jlora.adapters.dora); scaled and combined requests never name a DoRA adapter (refused when added)
                 mag = pool["M"] if layer is None else jax.lax.dynamic_index_in_dim(pool["M"], layer, 0, keepdims=False)
-                f = jnp.where((ids >= 0)[:, None], jnp.take(mag, jnp.maximum(ids, 0), axis=0), 0.0)  # [T, out]
+                mag = mag.astype(y.dtype)  # [N, out]: the factor in the compute dtype (f32 stays f32)
+                f = jnp.where((ids >= 0)[:, None], jnp.take(mag, jnp.maximum(ids, 0), axis=0), 0)  # [T, out]
                 factor = f if factor is None else factor + f
             first += n
         if factor is None:
             return out
-        return (out.astype(jnp.float32) * (1.0 + factor)).astype(y.dtype)
+        # out + out * M (M: the factor minus one), not out * (1 + M): in bf16, 1 + M would round M
+        # to steps of 2^-7, while M alone keeps 8 bits of its own.
+        return out + out * factor
 
     if enabled is not None and cond == "inside":
         return jax.lax.cond(enabled, lambda: with_delta(quant.linear(x, weight())), lambda: quant.linear(x, weight()))
@@ -536,13 +539,14 @@ def lora_state_modules(modules: tuple[str, ...] = LORA_MODULES) -> tuple[str, ..
 
 def init_lora_state(
     cfg: LlamaConfig, max_loras: int, max_rank: int, dtype: Any = jnp.float32,
-    modules: tuple[str, ...] = LORA_MODULES, zeros: Any = jnp.zeros,
+    modules: tuple[str, ...] = LORA_MODULES, zeros: Any = jnp.zeros, dora: bool = False,
 ) -> LoRAState:
-    """Empty slots: per packed module {"A": [L, N, in, S*R], "B": [L, N, R, out], "M": f32[L, N, out]}
-    (S sub-modules; see `lora_state_modules`), stacked like the weights so the decoder's layer scan
-    slices them with its layer. "M" is each slot's DoRA factor minus one per output column
-    (jlora.adapters.dora): zeros for plain adapters and empty slots; float32 whatever `dtype` is,
-    since it scales the whole projection. With VOCAB_MODULES in `modules`, also
+    """Empty slots: per packed module {"A": [L, N, in, S*R], "B": [L, N, R, out]} (S sub-modules;
+    see `lora_state_modules`), stacked like the weights so the decoder's layer scan slices them
+    with its layer. With `dora` (EngineConfig.enable_dora) also "M": f32[L, N, out], each slot's
+    DoRA factor minus one per output column (jlora.adapters.dora): zeros for plain adapters and
+    empty slots; stored in float32 whatever `dtype` is. Without it a LoRA step computes no factor
+    at all (`lora_linear` applies one only where a pool has "M"). With VOCAB_MODULES in `modules`, also
     "embed_tokens" {"A": [1, N, V, R], "B": [1, N, R, D]} and "lm_head" {"A": [1, N, D, R],
     "B": [1, N, R, V]} (jlora.models.vocab_lora), without "M"."""
     shapes = cfg.packed_shapes()
@@ -556,6 +560,7 @@ def init_lora_state(
                       "B": zeros((1, max_loras, max_rank, d_out), dtype)}
             continue
         out[m] = {"A": zeros((L, max_loras, shapes[m][0], len(shapes[m][1]) * max_rank), dtype),
-                  "B": zeros((L, max_loras, max_rank, sum(shapes[m][1])), dtype),
-                  "M": zeros((L, max_loras, sum(shapes[m][1])), jnp.float32)}
+                  "B": zeros((L, max_loras, max_rank, sum(shapes[m][1])), dtype)}
+        if dora:
+            out[m]["M"] = zeros((L, max_loras, sum(shapes[m][1])), jnp.float32)
     return out
