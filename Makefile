@@ -34,12 +34,15 @@ demo: install
 
 # --durations: the slowest tests at the end, so it shows where the time goes.
 PYTEST := $(PY) -m pytest -q --durations=25
+# test-fast: its files spread over this many worker processes (pytest-xdist), each file whole in one
+# (--dist loadfile: a module's shared engines are built once). `make test` (CI) stays in one process.
+TEST_WORKERS ?= 2
 
 test: install-test
 	$(PYTEST) tests
 
 test-fast: install-test
-	$(PYTEST) -m "not slow" tests
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
 
 bench: install-test
 	$(VENV)/bin/jlora bench --write

@@ -21,8 +21,11 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-SIZES = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, max_loras=2, max_lora_rank=8,
-             token_buckets=(32, 64), progress=False, weights_cache=False, adapter_cache=False)
+# Two step graphs an engine (4 decode rows; 4 rows beside one 32-token prompt chunk): the step
+# compiles are nearly all of this worker's time (13 runners; 5 graphs each took 374 CPU-s cold,
+# 2 take 159, 2026-12-07), and every prompt here fits one chunk.
+SIZES = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, max_loras=2, max_lora_rank=8,
+             token_buckets=(32,), decode_row_buckets=(4,), progress=False, weights_cache=False, adapter_cache=False)
 PROMPTS = ["Hello there, how", "The capital of France is", "1 2 3 4 5", "Once upon a time",
            "def add(a, b):", "Water boils at", "The quick brown fox", "In 1969 the first"]
 

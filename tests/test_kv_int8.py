@@ -251,19 +251,32 @@ def test_cli_flag_reaches_llm(cli_llm_kwargs, capsys):
     assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # the interpreted kernel inside every step graph: minutes on 2 busy cores
-def test_engine_with_the_kernel_reads_int8_as_the_xla_loop(tiny_dir, tiny_adapters, int8_engine):
+@pytest.mark.slow  # the interpreted kernel inside the step graphs
+def test_engine_with_the_kernel_reads_int8_as_the_xla_loop(tiny_dir, tiny_adapters):
     """The whole serving step with attn_impl="pallas" (interpreted here; rows padded to 128 lanes,
-    the pad head's scales zero) on an int8 cache: the XLA loop's greedy tokens, mixed adapters."""
+    the pad head's scales zero) on an int8 cache: the XLA loop's greedy tokens, mixed adapters.
+    Each prompt takes two 32-token chunks (the second reads the first from the int8 cache) and
+    the third waits for a row, so prefill chunks run beside decode rows."""
     from jlora import LLM, LoRARequest, SamplingParams
 
+    # Two step graphs (two decode rows; the same beside one prompt chunk), and a 256-position key
+    # chunk: the interpreted kernel's compile is this test's time, and it grows with the pages a
+    # chunk unrolls (2 graphs, CPU-s on 2 cores: 71 at the default 1,024, 41 at 256, 2026-12-07).
+    # At 256 a decode program still computes a partial chunk in 128-position steps, as at 1,024.
+    engine = dict(kv_cache_dtype="int8", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=32,
+                  token_buckets=(32,), decode_row_buckets=(2,), max_loras=2, max_lora_rank=8, progress=False)
     prompts = [{"prompt_token_ids": list(range(5 + 17 * i, 45 + 23 * i))} for i in range(3)]
     loras = [None, LoRARequest("a0", 1, str(tiny_adapters[0])), LoRARequest("a1", 2, str(tiny_adapters[1]))]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in int8_engine.generate(prompts, params, lora_request=loras, use_tqdm=False)]
-    llm = LLM(str(tiny_dir[0]), kv_cache_dtype="int8", attn_impl="pallas", max_model_len=256, max_num_seqs=4,
-              max_num_batched_tokens=64, token_buckets=(32, 64), max_loras=2, max_lora_rank=8, progress=False)
-    cache = llm.engine.runner.cache
-    assert cache["k"].dtype == jnp.int8 and cache["k"].shape[-1] == 128 and cache["k_scale"].shape[2] == 8
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras, use_tqdm=False)]
-    assert got == want and all(len(t) == 5 for t in got)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        llm = LLM(str(tiny_dir[0]), attn_impl=impl, attn_chunk=256 if impl == "pallas" else None, **engine)
+        assert llm.engine.runner.attn_impl == impl and llm.config.num_step_graphs == 2
+        cache = llm.engine.runner.cache
+        assert cache["k"].dtype == jnp.int8 and cache["k_scale"].shape[2] == (8 if impl == "pallas" else 2)
+        if impl == "pallas":
+            assert cache["k"].shape[-1] == 128
+        outs[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras,
+                                                                   use_tqdm=False)]
+        del llm
+    assert outs["pallas"] == outs["xla"] and all(len(t) == 5 for t in outs["xla"])

@@ -368,16 +368,11 @@ def test_training_refuses_vocab_slots(untied):
 
 
 @pytest.mark.slow  # the real default model (SmolLM2-135M, tied embeddings): its own engine's warm-up
-def test_real_tied_model_matches_peft(tmp_path):
-    from conftest import TEST_ENGINE
-
-    from jlora.models import default_model_path
-
-    path = default_model_path()
+def test_real_tied_model_matches_peft(tmp_path, hf_real):
+    import copy
 
     def fresh():  # a new HF model for each adapter and reference: peft injects its layers into the model it wraps
-        return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                 dtype=torch.float32).eval()
+        return copy.deepcopy(hf_real[0])  # (the session's GGUF load, copied: tied weights stay tied)
 
     specs = {"tied_ewt": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "q_proj"],
                               ensure_weight_tying=True),
@@ -395,7 +390,9 @@ def test_real_tied_model_matches_peft(tmp_path):
     reqs = {n: LoRARequest(f"real-{n}", 800 + i, str(tmp_path / n)) for i, n in enumerate(specs)}
     order = ["tied_ewt", None, "indep", "tied_ewt"]
     prompts = ["What is the capital of France?", "Name a fruit.", "Write a haiku.", "2 + 2 ="]
-    llm = LLM(progress=False, enable_embedding_lora=True, **TEST_ENGINE)
+    # Two step graphs (4 decode rows; the same beside one 32-token prompt chunk): every prompt fits one chunk.
+    llm = LLM(progress=False, enable_embedding_lora=True, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
+              token_buckets=(32,), decode_row_buckets=(4,), max_loras=2, max_lora_rank=8)
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     before = compile_stats.compile_count()
     outs = llm.generate(prompts, greedy, [reqs[n] if n else None for n in order])

@@ -54,7 +54,7 @@ def tiny_result(tiny_dir, tiny_adapters):
 TINY_RUNS = ["tp2_dp1", "tp4_dp1", "tp1_dp2", "tp2_dp2"]
 
 
-@pytest.mark.slow  # the four-device worker: 11 engines in a process of their own, ~130 s
+@pytest.mark.slow  # the four-device worker: 11 engines in a process of their own, two step graphs each
 def test_tiny_sees_four_devices(tiny_result):
     assert tiny_result["devices"] == 4
 
