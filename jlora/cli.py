@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from jlora.bench import BENCHMARKS, run as run_benchmark
 from jlora.engine_args import (ATTN_IMPLS, BASE_GRAPHS, DTYPES, ENGINE_DEFAULTS, KV_CACHE_DTYPES, LORA_IMPLS,
-                               QUANTIZATIONS, warmup_flag)
+                               QUANTIZATIONS, target_modules_flag, warmup_flag)
 
 
 class CLIError(ValueError):
@@ -54,6 +54,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-impl", default=d["lora_impl"], choices=list(LORA_IMPLS), help="LoRA kernel")
     p.add_argument("--enable-embedding-lora", action="store_true",
                    help="serve adapters with LoRA on embed_tokens / lm_head (vocabulary-sized room in every slot)")
+    p.add_argument("--lora-target-modules", type=target_modules_flag, default=None,
+                   help="comma-separated decoder modules the adapter slots hold (e.g. q_proj,v_proj: slots for the "
+                        "q|k|v projection only, the other projections run without LoRA); adapters targeting "
+                        "others are refused; default: every decoder module")
     p.add_argument("--enable-dora", action="store_true",
                    help="serve DoRA adapters (use_dora): a float32 factor per output column in every slot, "
                         "multiplied in every LoRA step")
@@ -140,6 +144,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   base_graphs=getattr(args, "base_graphs", None),
                   token_buckets=_buckets(args.token_buckets, "--token-buckets"),
                   lora_slot_ranks=_buckets(getattr(args, "lora_slot_ranks", None), "--lora-slot-ranks"),
+                  lora_target_modules=getattr(args, "lora_target_modules", None),
                   enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
     for flag in ("enable_embedding_lora", "enable_dora"):  # off unless given
         if getattr(args, flag, False):

@@ -103,6 +103,19 @@ def engine_config(
                         **buckets, **sizes)
 
 
+def target_modules_flag(text: str) -> tuple[str, ...] | None:
+    """--lora-target-modules (argparse type): comma-separated decoder module names, checked
+    (`check_lora_target_modules`: None where they name every packed projection)."""
+    import argparse
+
+    from jlora.engine.config import check_lora_target_modules
+
+    try:
+        return check_lora_target_modules(tuple(x.strip() for x in text.split(",") if x.strip()), "module names")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def warmup_flag(args: Any) -> str | None:
     """LLM(warmup=...) from the CLI's --lazy and --warmup (None: LLM's default for the backend)."""
     return "lazy" if getattr(args, "lazy", False) else getattr(args, "warmup", None)

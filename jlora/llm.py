@@ -104,6 +104,7 @@ class LLM(Closable):
         lora_slot_ranks: Seq[int] | None = None,
         enable_embedding_lora: bool = ENGINE_DEFAULTS["enable_embedding_lora"],
         enable_dora: bool = ENGINE_DEFAULTS["enable_dora"],
+        lora_target_modules: Seq[str] | None = ENGINE_DEFAULTS["lora_target_modules"],
         max_cpu_loras: int | None = None,
         max_cpu_lora_bytes: int | None = None,
         lora_impl: str = ENGINE_DEFAULTS["lora_impl"],
@@ -151,6 +152,7 @@ class LLM(Closable):
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras, lora_impl=lora_impl, token_buckets=token_buckets,
             lora_slot_ranks=lora_slot_ranks, enable_embedding_lora=enable_embedding_lora, enable_dora=enable_dora,
+            lora_target_modules=lora_target_modules,
             attn_chunk=attn_chunk, attn_impl=attn_impl, async_scheduling=async_scheduling, block_size=block_size,
             base_graphs=base_graphs, scheduling_policy=scheduling_policy,
             decode_row_buckets=None if decode_row_buckets is None else tuple(decode_row_buckets),
@@ -391,7 +393,7 @@ class LLM(Closable):
         """Device bytes of the weights, the KV cache and the LoRA slots, with how each is stored.
 
         {"weights": {"bytes", "dtype", "quantization", "int8_bytes", "float_bytes"}, "kv_cache": {"bytes",
-        "dtype", "tokens"}, "lora_slots": {"bytes", "dtype", "slots", "max_rank"}, "total": {"bytes"},
+        "dtype", "tokens"}, "lora_slots": {"bytes", "dtype", "slots", "max_rank", "slot_ranks", "modules"}, "total": {"bytes"},
         "per_device": {device: {"weights", "kv_cache", "lora_slots", "total"}}, "host_load": {"seconds",
         "rss_before_bytes", "peak_rss_bytes", "peak_added_bytes", ...}}. `host_load` is the host memory the
         weight load took (`jlora.models.streaming.LoadStats`; {} for a model restored from orbax). Bytes are what the
@@ -433,7 +435,8 @@ class LLM(Closable):
                                             if k.endswith("_scale"))},
             "lora_slots": {"bytes": total_slots, "dtype": name(slots[0]) if slots else self.dtype,
                            "slots": self.config.max_loras, "max_rank": self.config.max_lora_rank,
-                           "slot_ranks": list(self.config.slot_ranks)},
+                           "slot_ranks": list(self.config.slot_ranks),
+                           "modules": list(self.config.lora_modules)},  # PEFT modules the slots hold (lora_target_modules)
         }
         report["total"] = {"bytes": sum(int(v["bytes"]) for v in report.values())}
         report["per_device"] = per_device

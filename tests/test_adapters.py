@@ -453,7 +453,8 @@ def test_padded_update_rejects():
     with pytest.raises(ValueError, match=r"^adapter 'x': module 'q_proj' has rank r=8, above max_lora_rank=4$"):
         padded_update(_random_adapter(0, ("q_proj",), 8), CFG, 4)
     with pytest.raises(ValueError, match=r"^adapter 'x' targets modules \['q_proj'\] that this engine's LoRA state does "
-                                         r"not hold \(it holds \['v_proj'\]\)$"):
+                                         r"not hold \(it holds \['v_proj'\]\): the engine option "
+                                         r"lora_target_modules chooses them"):
         padded_update(_random_adapter(0, ("q_proj",), 2), CFG, 4, modules=("v_proj",))
 
 

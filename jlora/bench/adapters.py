@@ -32,6 +32,7 @@ import numpy as np
 
 from jlora.bench.docs import DOCS, write_block
 from jlora.bench.peft_adapters import ATTENTION, write_peft_adapter
+from jlora.engine_args import target_modules_flag
 from jlora.plot import bar_chart_svg
 
 BEGIN = "<!-- jlora bench adapters: begin (rewritten by `jlora bench adapters --write`) -->"
@@ -40,10 +41,12 @@ MODULES = ATTENTION
 RANK = 8
 
 
-def write_peft_adapters(root: Path, model_cfg: Any, k: int, rank: int = RANK, seed: int = 0) -> list[Path]:
-    """`k` PEFT LoRA directories `root/adapter0000`, ... of `rank` on q/k/v/o (see `peft_adapters`)."""
+def write_peft_adapters(root: Path, model_cfg: Any, k: int, rank: int = RANK, seed: int = 0,
+                        modules: tuple[str, ...] = MODULES) -> list[Path]:
+    """`k` PEFT LoRA directories `root/adapter0000`, ... of `rank` on `modules` (default q/k/v/o; see
+    `peft_adapters`)."""
     rng = np.random.default_rng(seed)
-    return [write_peft_adapter(root / f"adapter{a:04d}", model_cfg, rank, MODULES, rng) for a in range(k)]
+    return [write_peft_adapter(root / f"adapter{a:04d}", model_cfg, rank, modules, rng) for a in range(k)]
 
 
 def draw_adapters(k: int, n: int, popularity: str, rng: np.random.Generator) -> list[int]:
@@ -136,12 +139,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if n not in llms:
                 llms[n] = LLM(max_model_len=256, max_num_seqs=args.max_num_seqs, max_loras=n, max_lora_rank=RANK,
                               adapter_cache=root / "cache", progress=False,
-                              decode_row_buckets=args.decode_row_buckets or None)
+                              decode_row_buckets=args.decode_row_buckets or None,
+                              lora_target_modules=args.lora_target_modules)
             return llms[n]
 
         model_cfg = get_llm(args.slots[0]).model.cfg
         t = time.perf_counter()
-        paths = write_peft_adapters(root / "adapters", model_cfg, max(*args.ks, args.max_num_seqs))
+        paths = write_peft_adapters(root / "adapters", model_cfg, max(*args.ks, args.max_num_seqs),
+                                    modules=args.lora_target_modules or MODULES)
         result["write_adapters_s"] = time.perf_counter() - t
         tokenizer = get_llm(args.slots[0]).tokenizer
         prompts = make_prompts(tokenizer, args.requests, 16, 64)
@@ -283,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="LLM(decode_row_buckets=...), ending at --max-num-seqs (default: the engine's)")
     p.add_argument("--load", type=float, default=0.7,
                    help="Poisson rate as a fraction of the K = 1 throughput (0: no TTFT runs)")
+    p.add_argument("--lora-target-modules", type=target_modules_flag, default=None,
+                   help="comma-separated decoder modules the slots hold (LLM(lora_target_modules=...)); the "
+                        "adapters then target exactly these (default: slots for every module, adapters on q/k/v/o)")
     p.add_argument("--write", action="store_true", help="write docs/benchmarks.md's block and docs/bench_adapters.svg")
     p.add_argument("--json", default=None, help="also dump raw results to this file")
     args = p.parse_args(argv)

@@ -779,6 +779,13 @@ def _adapter_rank(path: str) -> int:
     return max([conf["r"], *conf.get("rank_pattern", {}).values()])
 
 
+def _adapter_modules(path: str) -> set[str]:
+    """The modules an adapter directory's safetensors file has LoRA tensors for (its header only)."""
+    with open(Path(path) / "adapter_model.safetensors", "rb") as f:
+        names = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in names if ".lora_" in k}
+
+
 def _engine_item(config: Any, model_cfg: Any, path: Path, workdir: Path,
                  quantization: str | None) -> tuple[dict[str, Any], str]:
     """The reference spec item of an engine of `config` and its digest (what names its file)."""
@@ -788,7 +795,8 @@ def _engine_item(config: Any, model_cfg: Any, path: Path, workdir: Path,
                                       + 3 * cfg.hidden_size * cfg.intermediate_size) + 2 * cfg.vocab_size * cfg.hidden_size
     ref_dtype = "float32" if params * 4 < 16e9 else "bfloat16"
     adapters = [str(p) for p in write_check_adapters(cfg, workdir / "adapters")]
-    adapters = [a for a in adapters if _adapter_rank(a) <= c.max_lora_rank]
+    # Those the engine serves: rank and modules (lora_target_modules) within its slots.
+    adapters = [a for a in adapters if _adapter_rank(a) <= c.max_lora_rank and _adapter_modules(a) <= set(c.lora_modules)]
     sizes = dict(max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
                  max_num_batched_tokens=c.max_num_batched_tokens, token_buckets=list(c.token_buckets),
                  decode_row_buckets=list(c.decode_row_buckets), max_loras=max(1, len(adapters)),

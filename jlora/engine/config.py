@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jlora.sampling_params import DEFAULT_MAX_N
 from jlora.tuning import TuningOptions
@@ -49,6 +50,31 @@ def default_max_cpu_loras(max_loras: int) -> int:
 BASE_GRAPHS = ("none", "decode", "all")  # EngineConfig.base_graphs
 
 
+def check_lora_target_modules(value: Any, where: str = "EngineConfig.lora_target_modules") -> tuple[str, ...] | None:
+    """EngineConfig.lora_target_modules checked: None, or decoder module names (PEFT's) as a tuple in
+    LORA_MODULES order; None also when they name every packed projection (the default's slots).
+    ValueError listing the known names."""
+    if value is None:
+        return None
+    from jlora.models.config import LORA_MODULES, PACKED_MODULES, VOCAB_MODULES  # imports JAX: only when set
+
+    if isinstance(value, (str, bytes)) or not all(isinstance(m, str) for m in value):
+        raise ValueError(f"{where} must be None or a sequence of module names, got {value!r}; "
+                         f"known: {list(LORA_MODULES)}")
+    names = set(value)
+    vocab = sorted(names & set(VOCAB_MODULES))
+    if vocab:
+        raise ValueError(f"{where} names {vocab}: embedding / output-head LoRA slots come with "
+                         f"enable_embedding_lora=True, not {where}; known: {list(LORA_MODULES)}")
+    unknown = sorted(names - set(LORA_MODULES))
+    if unknown or not names:
+        raise ValueError(f"{where}: " + (f"unknown modules {unknown}" if unknown else "no module named")
+                         + f"; known: {list(LORA_MODULES)}")
+    if all(names & set(subs) for subs in PACKED_MODULES.values()):
+        return None
+    return tuple(m for m in LORA_MODULES if m in names)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine sizes. Every step is one graph keyed only by the shape of its prefill part
@@ -75,6 +101,12 @@ class EngineConfig:
     # are refused by name. On a v5e chip LoRA's cost in a plain mixed batch rose from 3.2-6.2% to
     # 10.6-10.7% when every engine carried the factor; likely the factor, not isolated (docs/tpu.md).
     enable_dora: bool = False
+    # The decoder modules (PEFT names: q_proj, ..., down_proj) the slots hold LoRA for; a packed
+    # projection (q|k|v, gate|up) with any of them named keeps lanes for all its sub-modules. The
+    # other projections run without LoRA math and read no slot: q_proj, v_proj slots are qkv only,
+    # a fifth of every decoder module's bytes at the Llama-3.2-1B shape. Adapters targeting a module
+    # outside them are refused by name. None: every decoder module.
+    lora_target_modules: tuple[str, ...] | None = None
     max_cpu_loras: int | None = None  # host cache of converted adapters; None = default_max_cpu_loras(max_loras)
     lora_impl: str = "auto"
     block_size: int = 16  # KV cache positions per block
@@ -155,6 +187,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.enable_embedding_lora must be a bool, got {self.enable_embedding_lora!r}")
         if not isinstance(self.enable_dora, bool):
             raise ValueError(f"EngineConfig.enable_dora must be a bool, got {self.enable_dora!r}")
+        object.__setattr__(self, "lora_target_modules", check_lora_target_modules(self.lora_target_modules))
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"EngineConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.max_overtakes, int) or self.max_overtakes < 0:
@@ -197,11 +230,14 @@ class EngineConfig:
 
     @property
     def lora_modules(self) -> tuple[str, ...]:
-        """The PEFT modules the engine's LoRA state holds: the decoder's linear layers, and
-        embed_tokens / lm_head with enable_embedding_lora."""
-        from jlora.models.config import LORA_MODULES, VOCAB_MODULES  # here: importing this file loads no model code
+        """The PEFT modules the engine's LoRA state holds: the decoder's linear layers (those of the
+        packed projections `lora_target_modules` names, all with None), and embed_tokens / lm_head
+        with enable_embedding_lora."""
+        from jlora.models.config import LORA_MODULES, PACKED_MODULES, VOCAB_MODULES  # here: importing this file loads no model code
 
-        return LORA_MODULES + (VOCAB_MODULES if self.enable_embedding_lora else ())
+        named = self.lora_target_modules or LORA_MODULES
+        held = tuple(m for subs in PACKED_MODULES.values() if set(subs) & set(named) for m in subs)
+        return held + (VOCAB_MODULES if self.enable_embedding_lora else ())
 
     @property
     def slot_ranks(self) -> tuple[int, ...]:

@@ -38,15 +38,24 @@ def _packed(cfg: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
             "down_proj": (f, 1, d)}
 
 
+def held_packed(target_modules: Sequence[str]) -> tuple[str, ...]:
+    """The packed modules slots hold for `target_modules` (EngineConfig.lora_target_modules): each with
+    one of them among its sub-modules."""
+    from jlora.models.config import PACKED_MODULES  # imports JAX: only for a subset
+
+    return tuple(f for f, subs in PACKED_MODULES.items() if set(subs) & set(target_modules))
+
+
 def shape_bytes(cfg: dict[str, Any], dtype_bytes: int = 2, quantization: str = "none", max_loras: int = 4,
                 rank: int = 16, kv_cache_dtype: str = "auto", dora: bool = False,
-                embedding_lora: bool = False) -> dict[str, int]:
+                embedding_lora: bool = False, target_modules: Sequence[str] | None = None) -> dict[str, int]:
     """Device bytes of a shape's weights as jlora stores them (int8 projections and lm head, or the
     tied embedding, with float32 per-channel scales; the rest in the dtype), of the bytes a decode
     step reads of them (all but an untied embedding table), of `max_loras` LoRA slots of `rank` over
     every packed module (`init_lora_state`: with `dora`, EngineConfig.enable_dora, also their float32
-    DoRA factors; with `embedding_lora`, enable_embedding_lora, also embed_tokens and lm_head slots),
-    and of one token's K and V (`kv_bytes_per_token`, for `kv_cache_dtype`)."""
+    DoRA factors; with `embedding_lora`, enable_embedding_lora, also embed_tokens and lm_head slots;
+    with `target_modules`, EngineConfig.lora_target_modules, only the packed modules holding one of
+    them), and of one token's K and V (`kv_bytes_per_token`, for `kv_cache_dtype`)."""
     d, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     kvh, dh, v = cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
     q = quantization != "none"
@@ -59,9 +68,10 @@ def shape_bytes(cfg: dict[str, Any], dtype_bytes: int = 2, quantization: str = "
     embed = table if tied else v * d * dtype_bytes
     head = 0 if tied else table
     weights = L * layer + embed + head + d * dtype_bytes + dh // 2 * 4  # + final norm, rotary table
-    lora = L * max_loras * sum(i * s * rank + rank * o for i, s, o in packed.values()) * dtype_bytes
+    held = packed if target_modules is None else {m: packed[m] for m in held_packed(target_modules)}
+    lora = L * max_loras * sum(i * s * rank + rank * o for i, s, o in held.values()) * dtype_bytes
     if dora:
-        lora += L * max_loras * outs * 4  # the f32 DoRA factors (jlora.adapters.dora)
+        lora += L * max_loras * sum(o for _, _, o in held.values()) * 4  # the f32 DoRA factors (jlora.adapters.dora)
     if embedding_lora:  # embed_tokens A [V, R], B [R, D]; lm_head A [D, R], B [R, V] (jlora.models.vocab_lora)
         lora += max_loras * 2 * rank * (v + d) * dtype_bytes
     return dict(weights=weights, weights_read_per_step=weights - (0 if tied else embed), embedding=embed,
@@ -71,13 +81,14 @@ def shape_bytes(cfg: dict[str, Any], dtype_bytes: int = 2, quantization: str = "
 def kv_plan(cfg: dict[str, Any], quantization: str, max_model_len: int, block_size: int, max_loras: int, rank: int,
             hbm_bytes: int, in_use: int = 0, headroom: int = 2 * 10**9, cap: int = 64,
             dtype_bytes: int = 2, kv_cache_dtype: str = "auto", dora: bool = False,
-            embedding_lora: bool = False) -> dict[str, Any]:
+            embedding_lora: bool = False, target_modules: Sequence[str] | None = None) -> dict[str, Any]:
     """How many max_model_len sequences the KV cache can hold on a device of `hbm_bytes` (`in_use`
     already taken) after the weights, the LoRA slots and `headroom` for the step's temporaries (a
     prefill step's activations and its prompt-logprob head over the chunk: ~1 GB at the 8B's
     512-token chunk), at most `cap`: {"max_num_seqs", "num_kv_blocks", "kv_bytes", ...} and
     `shape_bytes`'s figures. ValueError when not even one sequence fits."""
-    b = shape_bytes(cfg, dtype_bytes, quantization, max_loras, rank, kv_cache_dtype, dora, embedding_lora)
+    b = shape_bytes(cfg, dtype_bytes, quantization, max_loras, rank, kv_cache_dtype, dora, embedding_lora,
+                    target_modules)
     blocks_per_seq = -(-max_model_len // block_size)
     per_seq = blocks_per_seq * block_size * b["kv_per_token"]
     free = hbm_bytes - in_use - b["weights"] - b["lora_slots"] - headroom

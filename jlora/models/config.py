@@ -34,6 +34,8 @@ EMBEDDING_LORA_OPTION = "enable_embedding_lora"  # what a refusal names
 # DoRA adapters (use_dora) are served only by an engine with `EngineConfig.enable_dora`: their
 # per-column factor is a slot array "M" and a multiply in every LoRA projection of every step.
 DORA_OPTION = "enable_dora"  # what a refusal names
+# An engine's slots hold only the packed projections its `EngineConfig.lora_target_modules` names.
+TARGET_MODULES_OPTION = "lora_target_modules"  # what a refusal names
 
 
 def check_dora_fit(where: str, is_dora: bool, enabled: bool) -> None:
@@ -65,7 +67,8 @@ def check_lora_fit(
                              f"(LLM({EMBEDDING_LORA_OPTION}=True), --enable-embedding-lora)")
         if extra:
             raise ValueError(f"{where} targets modules {extra} that this engine's LoRA state does not hold "
-                             f"(it holds {list(holds)})")
+                             f"(it holds {list(holds)}): the engine option {TARGET_MODULES_OPTION} chooses them "
+                             f"(LLM({TARGET_MODULES_OPTION}=...), --lora-target-modules; None: every module)")
     if max_lora_rank is not None:
         for m, r in ranks.items():
             if r > max_lora_rank:

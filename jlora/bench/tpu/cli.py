@@ -17,7 +17,7 @@ from jlora.bench.tpu.common import load_results, machine, run_child, run_tag, sa
 from jlora.bench.tpu.micro import KERNEL_VARIANT_CASES, parse_kernel_cases, parse_kernel_variants
 from jlora.bench.tpu.shapes import AGREE_SHAPE, SHAPES, shape_bytes, write_checkpoint
 from jlora.bench.tpu.workloads import bench_engine
-from jlora.engine_args import default_block_size
+from jlora.engine_args import default_block_size, target_modules_flag
 
 
 SECTIONS = ("checkpoint", "check", "load", "runtime", "kernel", "qmatmul", "layers", "engine", "agree", "warm",
@@ -145,6 +145,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=slora.POPULARITIES, help="slora: uniform, power-law or both")
     p.add_argument("--slora-load-samples", type=int, default=64,
                    help="slora: adapters whose host-to-device load is timed alone")
+    p.add_argument("--lora-target-modules", type=target_modules_flag, default=None,
+                   help="slora: the decoder modules the engines' slots hold (LLM(lora_target_modules=...)); its "
+                        "adapters are q/v, so q_proj,v_proj gives slots of the q|k|v projection only (default: every "
+                        "decoder module, as LLM())")
     p.add_argument("--slora-workers", type=int, default=8, help="slora: threads converting adapters into host memory")
     p.add_argument("--slora-seed", type=int, default=0)
     p.add_argument("--in-process", action="store_true", help="run every section in this process (a CPU dry run; "

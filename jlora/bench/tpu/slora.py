@@ -9,7 +9,10 @@ popularity (alpha 1) from all of them. Reported per row: tok/s and its ratio to 
 row of the same engine, TTFT p50/p99 (from the queueing), the slot writes and their host time in
 the step loop; per engine: each adapter's host-to-device load timed alone (p50/p99), compiles after
 warm-up. As in S-LoRA every adapter of a run is in host memory (converted, padded to the slots)
-before it starts: the conversion's time is reported apart.
+before it starts: the conversion's time is reported apart. The adapters are q/v only:
+`--lora-target-modules q_proj,v_proj` gives the engines slots of the q|k|v projection alone
+(`LLM(lora_target_modules=...)`), a fifth of every decoder module's slot bytes at the 1B shape, so
+a step reads that much less of the slots.
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ def make_slora_llm(ckpt: Path, args: argparse.Namespace, slots: int, n_host: int
                max_num_seqs=s["max_num_seqs"], max_num_batched_tokens=s["max_num_batched_tokens"],
                token_buckets=s["token_buckets"], decode_row_buckets=s["decode_row_buckets"], max_loras=slots,
                max_lora_rank=args.slora_ranks[1], max_cpu_loras=max(n_host, 8), lora_impl=args.lora_impl,
+               lora_target_modules=getattr(args, "lora_target_modules", None),
                block_size=s["block_size"], weights_cache=str(weights_cache_dir(args)), adapter_cache=False,
                progress=False, tuning=tuning_options(args))
 
@@ -248,6 +252,7 @@ def slora_section(args: argparse.Namespace, ckpt: Path, out: Path, results: dict
         llm = make_slora_llm(ckpt, args, slots, n_host)
         llm.wait_for_warmup()
         eng = engines[key] = dict(slots=slots, start_s=time.perf_counter() - t0, graphs=llm.config.num_step_graphs,
+                                  lora_target_modules=llm.config.lora_target_modules,
                                   slot_bytes=sum(int(x.nbytes) for x in jax.tree.leaves(llm.engine.runner.lora.state))
                                   // slots, device_memory=device_memory())
         print(f"slora {slots} slots: ready with every graph in {eng['start_s']:.1f} s, {eng['graphs']} step graphs, "
