@@ -436,7 +436,7 @@ class LLM(Closable):
             "lora_slots": {"bytes": total_slots, "dtype": name(slots[0]) if slots else self.dtype,
                            "slots": self.config.max_loras, "max_rank": self.config.max_lora_rank,
                            "slot_ranks": list(self.config.slot_ranks),
-                           "modules": list(self.config.lora_modules)},  # PEFT modules the slots hold (lora_target_modules)
+                           "modules": list(self.config.lora_modules)},  # held PEFT modules (lora_target_modules)
         }
         report["total"] = {"bytes": sum(int(v["bytes"]) for v in report.values())}
         report["per_device"] = per_device

@@ -796,7 +796,8 @@ def _engine_item(config: Any, model_cfg: Any, path: Path, workdir: Path,
     ref_dtype = "float32" if params * 4 < 16e9 else "bfloat16"
     adapters = [str(p) for p in write_check_adapters(cfg, workdir / "adapters")]
     # Those the engine serves: rank and modules (lora_target_modules) within its slots.
-    adapters = [a for a in adapters if _adapter_rank(a) <= c.max_lora_rank and _adapter_modules(a) <= set(c.lora_modules)]
+    adapters = [a for a in adapters
+                if _adapter_rank(a) <= c.max_lora_rank and _adapter_modules(a) <= set(c.lora_modules)]
     sizes = dict(max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
                  max_num_batched_tokens=c.max_num_batched_tokens, token_buckets=list(c.token_buckets),
                  decode_row_buckets=list(c.decode_row_buckets), max_loras=max(1, len(adapters)),

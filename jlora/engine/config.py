@@ -233,7 +233,8 @@ class EngineConfig:
         """The PEFT modules the engine's LoRA state holds: the decoder's linear layers (those of the
         packed projections `lora_target_modules` names, all with None), and embed_tokens / lm_head
         with enable_embedding_lora."""
-        from jlora.models.config import LORA_MODULES, PACKED_MODULES, VOCAB_MODULES  # here: importing this file loads no model code
+        # here: importing this file loads no model code
+        from jlora.models.config import LORA_MODULES, PACKED_MODULES, VOCAB_MODULES
 
         named = self.lora_target_modules or LORA_MODULES
         held = tuple(m for subs in PACKED_MODULES.values() if set(subs) & set(named) for m in subs)
