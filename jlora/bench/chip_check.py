@@ -781,8 +781,10 @@ def _adapter_rank(path: str) -> int:
 
 def _adapter_modules(path: str) -> set[str]:
     """The modules an adapter directory's safetensors file has LoRA tensors for (its header only)."""
-    with open(Path(path) / "adapter_model.safetensors", "rb") as f:
-        names = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="numpy") as f:
+        names = list(f.keys())
     return {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in names if ".lora_" in k}
 
 
